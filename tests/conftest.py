@@ -1,0 +1,7 @@
+import sys
+from pathlib import Path
+
+# examples/ holds the GPT the tests train; rank processes inherit this path.
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))

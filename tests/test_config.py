@@ -1,0 +1,65 @@
+"""ZeroConfig validation and environment-variable precedence (single process)."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from zerolite import ZeroConfig
+
+
+def test_defaults(monkeypatch):
+    for var in ("ZEROLITE_STAGE", "ZEROLITE_PARAM_DTYPE", "ZEROLITE_REDUCE_DTYPE", "ZEROLITE_BUCKET_SIZE_MB", "ZEROLITE_DEVICE"):
+        monkeypatch.delenv(var, raising=False)
+    cfg = ZeroConfig()
+    assert (cfg.stage, cfg.param_dtype, cfg.reduce_dtype, cfg.bucket_size_mb) == (2, torch.float32, None, 25.0)
+    assert cfg.process_group is None and cfg.device is None and cfg.elementwise_optimizers == ()
+    assert cfg.bucket_bytes == 25 * 2**20 and cfg.grad_dtype == torch.float32
+
+
+def test_frozen_and_keyword_only():
+    cfg = ZeroConfig(stage=1)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.stage = 2
+    with pytest.raises(TypeError):
+        ZeroConfig(1)
+
+
+def test_environment_precedence(monkeypatch):
+    monkeypatch.setenv("ZEROLITE_STAGE", "1")
+    monkeypatch.setenv("ZEROLITE_PARAM_DTYPE", "bf16")
+    monkeypatch.setenv("ZEROLITE_BUCKET_SIZE_MB", "0.5")
+    cfg = ZeroConfig()
+    assert (cfg.stage, cfg.param_dtype, cfg.bucket_size_mb) == (1, torch.bfloat16, 0.5)
+    explicit = ZeroConfig(stage=2, param_dtype=torch.float32)
+    assert (explicit.stage, explicit.param_dtype, explicit.bucket_size_mb) == (2, torch.float32, 0.5)
+    assert dataclasses.replace(explicit, bucket_size_mb=3).bucket_size_mb == 3.0
+
+
+@pytest.mark.parametrize(
+    "kwargs,field",
+    [
+        (dict(stage=4), "stage"),
+        (dict(stage="2"), "stage"),
+        (dict(stage=True), "stage"),
+        (dict(param_dtype=torch.int8), "param_dtype"),
+        (dict(reduce_dtype=torch.float64), "reduce_dtype"),
+        (dict(bucket_size_mb=0), "bucket_size_mb"),
+        (dict(bucket_size_mb=float("nan")), "bucket_size_mb"),
+        (dict(process_group="world"), "process_group"),
+        (dict(device="nonsense"), "device"),
+        (dict(elementwise_optimizers=[torch.optim.SGD]), "elementwise_optimizers"),
+    ],
+)
+def test_invalid_values_name_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=f"ZeroConfig.{field}"):
+        ZeroConfig(**kwargs)
+
+
+def test_invalid_environment_value_names_the_field(monkeypatch):
+    monkeypatch.setenv("ZEROLITE_STAGE", "two")
+    with pytest.raises(ValueError, match="ZeroConfig.stage.*'two'"):
+        ZeroConfig()
+    monkeypatch.setenv("ZEROLITE_STAGE", "7")
+    with pytest.raises(ValueError, match="ZeroConfig.stage: got 7"):
+        ZeroConfig()

@@ -1,0 +1,208 @@
+"""Tests for zerolite.testing.run_ranks, on real gloo process groups (no mocks)."""
+
+import os
+import signal
+import time
+
+import psutil
+import pytest
+import torch
+import torch.distributed as dist
+
+from zerolite.testing import RankFailure, RankTimeout, run_ranks
+
+# --- rank functions (module level so they pickle by reference) ---------------------------------
+
+
+def _identity_and_sum() -> tuple[int, int, int, float, tuple[str, ...]]:
+    t = torch.tensor([dist.get_rank() + 1.0])
+    dist.all_reduce(t)
+    env = tuple(os.environ[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"))
+    return dist.get_rank(), dist.get_world_size(), torch.get_num_threads(), t.item(), env
+
+
+def _make_tensor(scale: float) -> dict[str, torch.Tensor]:
+    rank = dist.get_rank()
+    return {"t": torch.arange(6, dtype=torch.float64).reshape(2, 3) * scale + rank}
+
+
+def _rank1_raises() -> None:
+    if dist.get_rank() == 1:
+        raise ValueError("boom")
+    dist.barrier()
+
+
+def _rank1_sigkills_itself() -> None:
+    if dist.get_rank() == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    dist.barrier()
+
+
+def _rank0_hangs() -> int:
+    if dist.get_rank() == 0:
+        time.sleep(60)
+    return dist.get_rank()
+
+
+def _rank1_exits(code: int) -> None:
+    if dist.get_rank() == 1:
+        os._exit(code)
+    time.sleep(60)
+
+
+def _rank1_raises_rank0_sleeps() -> None:
+    if dist.get_rank() == 1:
+        raise ValueError("boom")
+    time.sleep(60)  # in Python, not a collective: cannot notice that rank 1 is gone
+
+
+def _both_raise() -> None:
+    if dist.get_rank() == 0:
+        time.sleep(0.5)
+    raise KeyError(f"bad rank {dist.get_rank()}")
+
+
+def _read_env(name: str) -> str | None:
+    return os.environ.get(name)
+
+
+# --- helpers ------------------------------------------------------------------------------------
+
+
+def _stray_rank_processes() -> list[psutil.Process]:
+    """Live descendants that are not our direct children.
+
+    Direct children are the forkserver and multiprocessing's resource tracker; rank processes
+    are forked by the forkserver, so any rank still alive is a grandchild of this process.
+    """
+    me = os.getpid()
+    stray = []
+    for proc in psutil.Process(me).children(recursive=True):
+        try:
+            if proc.ppid() != me and proc.status() != psutil.STATUS_ZOMBIE:
+                stray.append(proc)
+        except psutil.NoSuchProcess:
+            pass
+    return stray
+
+
+# --- tests --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_ranks_see_group_and_all_reduce(world_size: int) -> None:
+    results = run_ranks(_identity_and_sum, world_size)
+    expected_sum = world_size * (world_size + 1) / 2
+    ws = str(world_size)
+    assert results == [
+        (r, world_size, 1, expected_sum, (str(r), ws, str(r), ws)) for r in range(world_size)
+    ]
+
+
+def test_tensor_return_values_round_trip() -> None:
+    results = run_ranks(_make_tensor, 2, 0.5)
+    for rank, out in enumerate(results):
+        expected = torch.arange(6, dtype=torch.float64).reshape(2, 3) * 0.5 + rank
+        torch.testing.assert_close(out["t"], expected)
+        assert not out["t"].is_shared()
+
+
+def test_caller_environment_reaches_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The forkserver's environment is frozen at its start; set a variable only now.
+    monkeypatch.setenv("ZEROLITE_TESTING_PROBE", "on")
+    assert run_ranks(_read_env, 2, "ZEROLITE_TESTING_PROBE") == ["on", "on"]
+    has_lo = os.path.exists("/sys/class/net/lo")
+    expected = os.environ.get("GLOO_SOCKET_IFNAME") or ("lo" if has_lo else None)
+    assert run_ranks(_read_env, 1, "GLOO_SOCKET_IFNAME") == [expected]
+
+
+def test_exception_in_one_rank_fails_fast() -> None:
+    start = time.monotonic()
+    with pytest.raises(RankFailure) as info:
+        run_ranks(_rank1_raises, 2, timeout=60)
+    elapsed = time.monotonic() - start
+    assert elapsed < 15, elapsed
+    message = str(info.value)
+    assert "[rank 1/2]" in message
+    assert "ValueError: boom" in message
+    assert "ValueError: boom" in info.value.failures[1]
+    assert set(info.value.failures) == {0, 1}  # rank 0 errored in barrier or was killed
+    assert not isinstance(info.value, RankTimeout)
+    assert _stray_rank_processes() == []
+
+
+def test_unresponsive_rank_killed_after_grace_period() -> None:
+    start = time.monotonic()
+    with pytest.raises(RankFailure) as info:
+        run_ranks(_rank1_raises_rank0_sleeps, 2, timeout=60)
+    elapsed = time.monotonic() - start
+    assert 4 < elapsed < 10, elapsed  # the 5 s grace period, then SIGKILL
+    assert info.value.failures[0] == "killed after rank 1 failed"
+    assert "[rank 0/2] killed after rank 1 failed" in str(info.value)
+    assert "ValueError: boom" in info.value.failures[1]
+    assert _stray_rank_processes() == []
+
+
+def test_errors_of_all_ranks_are_collected() -> None:
+    with pytest.raises(RankFailure) as info:
+        run_ranks(_both_raise, 2, timeout=60)
+    message = str(info.value)
+    assert "rank 1 failed first" in message
+    assert "[rank 0/2]" in message and "KeyError: 'bad rank 0'" in message
+    assert "[rank 1/2]" in message and "KeyError: 'bad rank 1'" in message
+
+
+def test_killed_rank_is_reported_promptly() -> None:
+    start = time.monotonic()
+    with pytest.raises(RankFailure) as info:
+        run_ranks(_rank1_sigkills_itself, 2, timeout=60)
+    elapsed = time.monotonic() - start
+    assert elapsed < 10, elapsed
+    assert "SIGKILL" in info.value.failures[1]
+    assert "[rank 1/2]" in str(info.value)
+    assert "SIGKILL" in str(info.value)
+    assert _stray_rank_processes() == []
+
+
+def test_silent_exit_kills_the_rest_immediately() -> None:
+    start = time.monotonic()
+    with pytest.raises(RankFailure) as info:
+        run_ranks(_rank1_exits, 2, 3, timeout=60)
+    elapsed = time.monotonic() - start
+    assert elapsed < 5, elapsed  # no grace period: rank 0 sleeps and is killed at once
+    assert "exit code 3" in info.value.failures[1]
+    assert info.value.failures[0] == "killed after rank 1 failed"
+    assert _stray_rank_processes() == []
+
+
+def test_hang_times_out_and_names_hung_rank() -> None:
+    start = time.monotonic()
+    with pytest.raises(RankTimeout) as info:
+        run_ranks(_rank0_hangs, 2, timeout=3)
+    elapsed = time.monotonic() - start
+    assert 3 <= elapsed < 8, elapsed
+    assert set(info.value.failures) == {0}
+    assert "hung" in str(info.value) and "[rank 0/2]" in str(info.value)
+    assert "[rank 1/2]" not in str(info.value)
+    assert _stray_rank_processes() == []
+
+
+def _local_function_factory():  # noqa: ANN202
+    def local() -> None:
+        pass
+
+    return local
+
+
+@pytest.mark.parametrize("fn", [lambda: None, _local_function_factory()], ids=["lambda", "local"])
+def test_unpicklable_function_rejected_before_launch(fn) -> None:  # noqa: ANN001
+    start = time.monotonic()
+    with pytest.raises(TypeError, match="module level"):
+        run_ranks(fn, 2)
+    assert time.monotonic() - start < 0.5
+
+
+@pytest.mark.parametrize("world_size", [0, -1, 1.5, "2", True])
+def test_invalid_world_size(world_size: object) -> None:
+    with pytest.raises(ValueError, match=repr(world_size).replace(".", r"\.")):
+        run_ranks(_identity_and_sum, world_size)  # type: ignore[arg-type]

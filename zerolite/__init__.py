@@ -1,0 +1,15 @@
+"""zerolite: ZeRO-style sharding for the PyTorch optimizer you already have.
+
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
+    opt = zerolite.shard(model, opt, zerolite.ZeroConfig(stage=2))
+
+See README.md for the full picture.
+"""
+
+from zerolite._version import __version__
+from zerolite.config import ZeroConfig
+from zerolite.consensus import RankMismatchError
+from zerolite.optim.sharded_optimizer import ShardedOptimizer
+from zerolite.zero import shard
+
+__all__ = ["__version__", "ZeroConfig", "RankMismatchError", "ShardedOptimizer", "shard"]

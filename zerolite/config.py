@@ -1,0 +1,186 @@
+"""`ZeroConfig`: what `zerolite.shard` builds, validated once, frozen.
+
+Precedence, field by field: an explicit argument beats a ``ZEROLITE_*`` environment
+variable, which beats the default. Fields the user did not pass are resolved in
+``__post_init__``, so ``ZeroConfig()`` read inside a job launched with
+``ZEROLITE_STAGE=1`` is a stage-1 config, while ``ZeroConfig(stage=2)`` stays stage 2.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["ZeroConfig"]
+
+_DTYPES: dict[str, torch.dtype] = {
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+}
+_ALLOWED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+class _Unset:
+    """Marks a field the caller did not pass, so the environment may fill it."""
+
+    def __repr__(self) -> str:
+        return "<unset>"
+
+
+_UNSET: Any = _Unset()
+
+
+def _parse_dtype(field: str, raw: str) -> torch.dtype:
+    key = raw.strip().lower().removeprefix("torch.")
+    if key not in _DTYPES:
+        raise ValueError(
+            f"ZeroConfig.{field}: environment value {raw!r} is not a dtype; "
+            f"use one of {sorted(_DTYPES)}"
+        )
+    return _DTYPES[key]
+
+
+def _parse_bool(field: str, raw: str) -> bool:
+    key = raw.strip().lower()
+    if key in ("1", "true", "yes", "on"):
+        return True
+    if key in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"ZeroConfig.{field}: environment value {raw!r} is not a boolean (use 0 or 1)")
+
+
+def _parse_number(field: str, raw: str, kind: type) -> Any:
+    try:
+        return kind(raw)
+    except ValueError:
+        raise ValueError(
+            f"ZeroConfig.{field}: environment value {raw!r} is not a {kind.__name__}"
+        ) from None
+
+
+# field -> (environment variable, parser of its text, default)
+_ENV_FIELDS: dict[str, tuple[str, Callable[[str], Any], Any]] = {
+    "stage": ("ZEROLITE_STAGE", lambda s: _parse_number("stage", s, int), 2),
+    "param_dtype": ("ZEROLITE_PARAM_DTYPE", lambda s: _parse_dtype("param_dtype", s), torch.float32),
+    "reduce_dtype": (
+        "ZEROLITE_REDUCE_DTYPE",
+        lambda s: None if s.strip().lower() in ("", "none") else _parse_dtype("reduce_dtype", s),
+        None,
+    ),
+    "bucket_size_mb": (
+        "ZEROLITE_BUCKET_SIZE_MB",
+        lambda s: _parse_number("bucket_size_mb", s, float),
+        25.0,
+    ),
+    "device": ("ZEROLITE_DEVICE", lambda s: torch.device(s), None),
+}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ZeroConfig:
+    """How `zerolite.shard` shards a model and its optimizer.
+
+    Args:
+        stage: 1 shards optimizer state (fp32 masters and moments); 2 also shards
+            gradients, reduce-scattered during backward. 0 means plain DDP and is only
+            meaningful to the memory estimator: `shard()` rejects it. Env: ``ZEROLITE_STAGE``.
+        param_dtype: dtype of the compute copy of every managed parameter. The fp32
+            master is this rank's shard: with ``torch.float32`` it is the parameter
+            storage itself (no second copy). Env: ``ZEROLITE_PARAM_DTYPE`` (``bf16``...).
+        reduce_dtype: dtype in which gradients are reduced and their shards kept;
+            ``None`` means ``param_dtype``. Env: ``ZEROLITE_REDUCE_DTYPE``.
+        bucket_size_mb: size of a flat buffer (and so of one reduce-scatter / all-gather)
+            in MiB of ``param_dtype`` elements; a parameter larger than this gets a
+            buffer of its own. Env: ``ZEROLITE_BUCKET_SIZE_MB``.
+        process_group: the data-parallel group; ``None`` is the default group (or a
+            single process when ``torch.distributed`` is not initialised).
+        device: where flat buffers live; ``None`` keeps the parameters' own device.
+            Env: ``ZEROLITE_DEVICE``.
+        elementwise_optimizers: optimizer classes, beyond zerolite's allow-list, that
+            the user declares elementwise (their update of an element depends only on
+            that element's own gradient and state), so stepping 1-D shards is exact.
+
+    Raises:
+        ValueError: a field (or its environment variable) holds an invalid value; the
+            message names the field, the value and what is allowed.
+    """
+
+    stage: int = _UNSET
+    param_dtype: torch.dtype = _UNSET
+    reduce_dtype: torch.dtype | None = _UNSET
+    bucket_size_mb: float = _UNSET
+    process_group: dist.ProcessGroup | None = None
+    device: torch.device | None = _UNSET
+    elementwise_optimizers: tuple[type[torch.optim.Optimizer], ...] = ()
+
+    def __post_init__(self) -> None:
+        for name, (env, parse, default) in _ENV_FIELDS.items():
+            if getattr(self, name) is _UNSET:
+                raw = os.environ.get(env)
+                object.__setattr__(self, name, default if raw is None else parse(raw))
+        self._validate()
+
+    def _validate(self) -> None:
+        if isinstance(self.stage, bool) or not isinstance(self.stage, int) or self.stage not in (0, 1, 2):
+            raise ValueError(
+                f"ZeroConfig.stage: got {self.stage!r}; allowed values are 0 (DDP, estimator "
+                "only), 1 (optimizer state) and 2 (+ gradients)"
+            )
+        if self.param_dtype not in _ALLOWED_DTYPES:
+            raise ValueError(
+                f"ZeroConfig.param_dtype: got {self.param_dtype!r}; allowed: torch.float32, "
+                "torch.bfloat16, torch.float16"
+            )
+        if self.reduce_dtype is not None and self.reduce_dtype not in _ALLOWED_DTYPES:
+            raise ValueError(
+                f"ZeroConfig.reduce_dtype: got {self.reduce_dtype!r}; allowed: None (= param_dtype), "
+                "torch.float32, torch.bfloat16, torch.float16"
+            )
+        size = self.bucket_size_mb
+        if isinstance(size, bool) or not isinstance(size, (int, float)) or not math.isfinite(size) or size <= 0:
+            raise ValueError(
+                f"ZeroConfig.bucket_size_mb: got {size!r}; allowed: a finite number of MiB > 0 "
+                "(floats allowed, e.g. 0.5)"
+            )
+        object.__setattr__(self, "bucket_size_mb", float(size))
+        if self.process_group is not None and not isinstance(self.process_group, dist.ProcessGroup):
+            raise ValueError(
+                f"ZeroConfig.process_group: got {type(self.process_group).__name__}; allowed: None "
+                "or a torch.distributed.ProcessGroup"
+            )
+        if self.device is not None:
+            try:
+                object.__setattr__(self, "device", torch.device(self.device))
+            except (RuntimeError, TypeError):
+                raise ValueError(
+                    f"ZeroConfig.device: got {self.device!r}; allowed: None or a torch.device / "
+                    "device string such as 'cpu' or 'cuda:0'"
+                ) from None
+        eo = self.elementwise_optimizers
+        if not isinstance(eo, tuple) or not all(
+            isinstance(c, type) and issubclass(c, torch.optim.Optimizer) for c in eo
+        ):
+            raise ValueError(
+                f"ZeroConfig.elementwise_optimizers: got {eo!r}; allowed: a tuple of "
+                "torch.optim.Optimizer subclasses"
+            )
+
+    @property
+    def grad_dtype(self) -> torch.dtype:
+        """dtype of reduced gradient shards: ``reduce_dtype``, else ``param_dtype``."""
+        return self.reduce_dtype if self.reduce_dtype is not None else self.param_dtype
+
+    @property
+    def bucket_bytes(self) -> int:
+        """``bucket_size_mb`` in bytes (MiB, so 25.0 -> 26_214_400)."""
+        return max(1, int(self.bucket_size_mb * 2**20))

@@ -1,0 +1,72 @@
+"""Divergence guard: ranks compare what they are about to build before building it.
+
+A rank that built a different model, config or layout would pair its collectives with
+the wrong peers and hang or corrupt silently. So before anything is modified, each
+rank reduces a description of its plan (one line per fact) to a digest, the digests
+are exchanged, and on any difference -- or any rank's local validation error -- the
+full descriptions are exchanged and every rank raises, naming the first difference.
+Local errors travel through the same exchange, so a rank that rejects its input never
+leaves its peers waiting in a collective.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+from zerolite.collectives import Group, all_gather_bytes
+
+__all__ = ["RankMismatchError", "agree"]
+
+
+class RankMismatchError(RuntimeError):
+    """Ranks disagree on what they build (model, optimizer, config), or one rank failed."""
+
+
+def agree(what: str, lines: list[str], error: BaseException | None, group: Group) -> None:
+    """Check that every rank of ``group`` holds the same ``lines`` and no ``error``.
+
+    All ranks of the group must call this, with or without an error of their own.
+
+    Args:
+        what: the operation, for messages (e.g. ``"shard()"``).
+        lines: this rank's description of its plan.
+        error: this rank's local validation error, if any; it is re-raised here.
+    Raises:
+        The rank's own ``error``; or `RankMismatchError` naming the failing rank or
+        the first line on which ranks differ.
+    """
+    payload = json.dumps({"error": None if error is None else f"{type(error).__name__}: {error}", "lines": lines})
+    digest = hashlib.sha256(payload.encode()).digest() + (b"\x01" if error is not None else b"\x00")
+    if group.size > 1:
+        digests = all_gather_bytes(digest, group)
+        if all(d == digests[0] for d in digests) and error is None:
+            return
+        payloads = [json.loads(p) for p in all_gather_bytes(payload.encode(), group)]
+    elif error is None:
+        return
+    else:
+        payloads = [json.loads(payload)]
+    if error is not None:
+        raise error
+    failed = [(r, p["error"]) for r, p in enumerate(payloads) if p["error"] is not None]
+    if failed:
+        rank, message = failed[0]
+        raise RankMismatchError(f"{group.prefix()} {what} failed on rank {rank}: {message}; every rank stops")
+    raise RankMismatchError(f"{group.prefix()} {what}: ranks differ. {_first_difference(payloads)}")
+
+
+def _first_difference(payloads: list[dict]) -> str:
+    reference = payloads[0]["lines"]
+    for rank, payload in enumerate(payloads[1:], start=1):
+        lines = payload["lines"]
+        for i in range(max(len(reference), len(lines))):
+            mine = reference[i] if i < len(reference) else "<nothing>"
+            theirs = lines[i] if i < len(lines) else "<nothing>"
+            if mine != theirs:
+                return (
+                    f"Rank 0 has {mine!r} where rank {rank} has {theirs!r}. Every rank must build the "
+                    "same model (same parameter names, shapes and order), the same optimizer and the "
+                    "same ZeroConfig."
+                )
+    return "The descriptions differ only in encoding."

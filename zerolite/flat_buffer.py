@@ -1,0 +1,87 @@
+"""`FlatParamBuffer`: parameters packed into one padded 1-D tensor, viewed back out.
+
+Each managed parameter keeps its identity (the optimizer, hooks and user code hold the
+same ``nn.Parameter`` object) but its ``.data`` becomes a view of the buffer, so a
+write into the buffer (an all-gather, a cast-down from the fp32 master) is a write into
+the parameters, and this rank's shard of the buffer is one contiguous slice.
+
+[Note: binding]
+A parameter is "bound" while its storage is the buffer at its layout offset. Anything
+that replaces ``param.data`` (``model.to(other_dtype)``, ``.half()``, ``.cuda()``, a
+user assignment) unbinds it; `unbound` detects this and `zerolite.params` refuses
+the conversions before they happen.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from zerolite.layout import FlatLayout, ParamPiece
+
+__all__ = ["FlatParamBuffer"]
+
+
+class FlatParamBuffer:
+    """A padded flat buffer holding ``params`` end to end, each param's ``.data`` a view.
+
+    Args:
+        params: the parameters, in buffer order; each appears once.
+        names: their fully-qualified names (for errors and checkpoints).
+        rank, world_size: this rank and the number of shards.
+        dtype, device: of the buffer; parameters are copied (cast) into it.
+        index: position of this buffer among all of the model's buffers.
+    """
+
+    def __init__(
+        self,
+        params: list[nn.Parameter],
+        names: list[str],
+        *,
+        rank: int,
+        world_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        index: int,
+    ) -> None:
+        self.params = params
+        self.names = names
+        self.index = index
+        self.rank = rank
+        self.layout = FlatLayout(tuple(p.numel() for p in params), world_size)
+        self.shapes = [p.shape for p in params]
+        # 1-D, dtype, padded_numel elements; padding is zero and never read.
+        self.data = torch.zeros(self.layout.padded_numel, dtype=dtype, device=device)
+        lo, hi = self.layout.shard_range(rank)
+        # 1-D, dtype, this rank's shard of `data` (a view).
+        self.shard = self.data[lo:hi]
+        # The pieces of parameters that fall into this rank's shard, buffer order.
+        self.pieces: list[ParamPiece] = self.layout.pieces(rank)
+
+    def bind(self) -> None:
+        """Copy each parameter's values into the buffer and make ``param.data`` a view of it."""
+        with torch.no_grad():
+            for i, p in enumerate(self.params):
+                view = self.param_view(self.data, i)
+                view.copy_(p.data)
+                p.data = view
+
+    def param_view(self, flat: torch.Tensor, index: int) -> torch.Tensor:
+        """Parameter ``index``'s region of any buffer of this layout, in the param's shape."""
+        start, end = self.layout.param_range(index)
+        return flat[start:end].view(self.shapes[index])
+
+    def unbound(self) -> list[str]:
+        """Names of parameters whose storage is no longer this buffer (see [Note: binding])."""
+        base = self.data.data_ptr()
+        size = self.data.element_size()
+        out = []
+        for i, p in enumerate(self.params):
+            start, _ = self.layout.param_range(i)
+            if p.dtype != self.data.dtype or p.device != self.data.device or p.data_ptr() != base + start * size:
+                out.append(self.names[i])
+        return out
+
+    @property
+    def numel(self) -> int:
+        return self.layout.numel

@@ -1,0 +1,119 @@
+"""`GradReducer`: when buckets are reduce-scattered, and in what order.
+
+Two rules keep ranks in lockstep without any extra communication:
+
+- Buckets launch in index order. A bucket whose gradients are complete early waits
+  until every lower-index bucket has launched (a rank where some parameter got no
+  gradient would otherwise launch in a different order, and point-to-point messages
+  or NCCL kernels would pair up wrongly).
+- Every bucket is launched exactly once per reduction round, whether or not this rank
+  produced gradients for it: another rank may have.
+
+At most ``max_in_flight`` buckets are in flight; launching one more first waits for the
+oldest, which bounds the full-size gradient memory alive during backward.
+
+Which parameters got a gradient is tracked per rank (``local_used``) and combined over
+ranks at the step boundary (`global_used`): a parameter no rank produced a gradient
+for is skipped by the optimizer, as torch skips parameters whose ``grad`` is None.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+import torch.distributed as dist
+
+from zerolite.bucket import GradBucket
+from zerolite.collectives import Group, all_reduce
+
+__all__ = ["GradReducer"]
+
+
+class GradReducer:
+    """Launch policy and bookkeeping over all of a model's `GradBucket`s.
+
+    Args:
+        buckets: one per flat buffer, in launch order.
+        group: the data-parallel group.
+        max_in_flight: reduce-scatters allowed in flight at once (>= 1).
+    """
+
+    def __init__(self, buckets: list[GradBucket], group: Group, *, max_in_flight: int = 1) -> None:
+        self.buckets = buckets
+        self.group = group
+        self.max_in_flight = max_in_flight
+        self._next_launch = 0
+        self._in_flight: deque[GradBucket] = deque()
+        # Per bucket, per param: this rank produced a gradient since the last zero().
+        self.local_used = [torch.zeros(len(b.flat.params), dtype=torch.bool) for b in buckets]
+        # Reduced shards are up to date for the coming step.
+        self.reduced = False
+        self._global_used: list[torch.Tensor] = []
+        # True inside model.no_sync(): gradients stay local, nothing launches.
+        self.sync_disabled = False
+
+    def launch_ready(self) -> None:
+        """Launch, in order, every bucket from the next one on whose gradients are complete."""
+        while self._next_launch < len(self.buckets):
+            bucket = self.buckets[self._next_launch]
+            if bucket.ready < len(bucket.flat.params):
+                return
+            self._launch(bucket)
+
+    def flush(self) -> None:
+        """Launch every bucket not launched yet this round, in order, then wait for all.
+
+        Called at the end of a backward (stage 2) and at the step boundary for buckets
+        holding unreduced gradients; all ranks must call it the same number of times.
+        """
+        while self._next_launch < len(self.buckets):
+            self._launch(self.buckets[self._next_launch])
+        self._wait_in_flight()
+
+    def _launch(self, bucket: GradBucket) -> None:
+        while len(self._in_flight) >= self.max_in_flight:
+            self._in_flight.popleft().wait()
+        bucket.launch(tag=bucket.flat.index)
+        self._in_flight.append(bucket)
+        self._next_launch += 1
+
+    def reduce(self) -> list[torch.Tensor]:
+        """Make every bucket's ``shard`` hold the averaged gradients; idempotent per step.
+
+        Returns, per bucket, a bool tensor over its params: some rank produced a gradient.
+        Every rank must call this at the same step boundary.
+        """
+        if not self.reduced:
+            # Ranks may disagree on whether local gradients await reduction (no_sync
+            # leftovers, gradients assigned by hand), so decide together: one small
+            # all-reduce carries the used-flags and an "unreduced" flag.
+            unreduced = any(b.unreduced for b in self.buckets)
+            flags = torch.cat([*self.local_used, torch.tensor([unreduced])]).to(torch.int32)
+            all_reduce(flags, self.group, dist.ReduceOp.MAX)
+            flags = flags.bool()
+            if flags[-1]:
+                self.flush()
+            self._global_used = list(flags[:-1].split([len(u) for u in self.local_used]))
+            self.reduced = True
+        return self._global_used
+
+    def after_step(self) -> None:
+        """The step consumed the reduced gradients."""
+        for bucket in self.buckets:
+            bucket.consume()
+        self.reduced = False
+
+    def zero(self) -> None:
+        """Forget all gradients (``zero_grad``)."""
+        self._wait_in_flight()
+        for bucket in self.buckets:
+            bucket.zero()
+        for used in self.local_used:
+            used.zero_()
+        self.reduced = False
+
+    def _wait_in_flight(self) -> None:
+        while self._in_flight:
+            self._in_flight.popleft().wait()
+        self._next_launch = 0

@@ -1,0 +1,134 @@
+"""Index math of a padded flat buffer: pure Python, no tensors, no torch.distributed.
+
+A flat buffer packs parameters end to end, then pads the total up to a multiple of the
+world size ``N`` so that it splits into ``N`` equal, contiguous shards::
+
+    |  p0  |    p1    | p2 |pad|          padded_numel = N * shard_numel
+    |  rank 0 shard  |  rank 1 shard |     padding <= N - 1 elements
+
+Everything that must agree across ranks (which elements a rank owns, which piece of
+which parameter that is) is computed here, once, from sizes alone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+__all__ = ["FlatLayout", "ParamPiece", "bucket_partition"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamPiece:
+    """The part of one parameter that falls into one rank's shard.
+
+    Attributes:
+        index: the parameter's position in the layout.
+        param_start: first element of the piece in the flattened parameter.
+        shard_start: where the piece starts inside the rank's shard.
+        numel: number of elements (> 0).
+    """
+
+    index: int
+    param_start: int
+    shard_start: int
+    numel: int
+
+    @property
+    def param_end(self) -> int:
+        return self.param_start + self.numel
+
+
+@dataclasses.dataclass(frozen=True)
+class FlatLayout:
+    """Offsets of parameters of the given sizes in a flat buffer padded for ``world_size``.
+
+    Args:
+        numels: element count of each parameter, in buffer order (each >= 1).
+        world_size: number of shards ``N`` (>= 1).
+    """
+
+    numels: tuple[int, ...]
+    world_size: int
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {self.world_size}")
+        if any(n < 1 for n in self.numels):
+            raise ValueError(f"every parameter needs >= 1 element, got numels={self.numels}")
+        offsets, total = [], 0
+        for n in self.numels:
+            offsets.append(total)
+            total += n
+        object.__setattr__(self, "offsets", tuple(offsets))
+        object.__setattr__(self, "numel", total)
+
+    offsets: tuple[int, ...] = dataclasses.field(init=False)
+    numel: int = dataclasses.field(init=False)  # sum of numels, without padding
+
+    @property
+    def shard_numel(self) -> int:
+        """Elements per rank: ceil(numel / N)."""
+        return -(-self.numel // self.world_size)
+
+    @property
+    def padded_numel(self) -> int:
+        return self.shard_numel * self.world_size
+
+    @property
+    def padding(self) -> int:
+        """Padding elements at the end of the buffer, 0 <= padding <= N - 1."""
+        return self.padded_numel - self.numel
+
+    def param_range(self, index: int) -> tuple[int, int]:
+        """[start, end) of parameter ``index`` in the buffer."""
+        start = self.offsets[index]
+        return start, start + self.numels[index]
+
+    def shard_range(self, rank: int) -> tuple[int, int]:
+        """[start, end) of ``rank``'s shard in the buffer (it may cover padding)."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} is outside [0, {self.world_size})")
+        start = rank * self.shard_numel
+        return start, start + self.shard_numel
+
+    def pieces(self, rank: int) -> list[ParamPiece]:
+        """Every non-empty intersection of a parameter with ``rank``'s shard, in buffer order."""
+        lo, hi = self.shard_range(rank)
+        out = []
+        for index, (offset, n) in enumerate(zip(self.offsets, self.numels)):
+            start, end = max(lo, offset), min(hi, offset + n)
+            if start < end:
+                out.append(ParamPiece(index, start - offset, start - lo, end - start))
+        return out
+
+    def owners(self, index: int) -> list[int]:
+        """Ranks whose shard holds at least one element of parameter ``index``."""
+        start, end = self.param_range(index)
+        s = self.shard_numel
+        return list(range(start // s, (end - 1) // s + 1))
+
+
+def bucket_partition(sizes: Sequence[int], capacity: int) -> list[list[int]]:
+    """Split item indices, in order, into consecutive runs of total size <= ``capacity``.
+
+    An item larger than ``capacity`` gets a run of its own; no run is empty.
+
+    Args:
+        sizes: size of each item (bytes, elements: any unit shared with ``capacity``).
+        capacity: the most a run may hold (> 0).
+    """
+    if capacity <= 0:
+        raise ValueError(f"capacity must be > 0, got {capacity}")
+    runs: list[list[int]] = []
+    current: list[int] = []
+    used = 0
+    for i, size in enumerate(sizes):
+        if current and used + size > capacity:
+            runs.append(current)
+            current, used = [], 0
+        current.append(i)
+        used += size
+    if current:
+        runs.append(current)
+    return runs

@@ -1,0 +1,205 @@
+"""`ShardedOptimizer`: the user's optimizer, stepping only this rank's shard.
+
+One `step()` runs in three phases (DESIGN §2):
+
+1. **Reduce**: every bucket's gradients are averaged over ranks into this rank's
+   shard (stage 2 did most of this during backward; stage 1 does it now).
+2. **Update**, bucket by bucket: the shard's gradient (upcast to fp32 if needed, one
+   bucket at a time) is attached to the fp32 master pieces, the user's optimizer steps
+   them, the master is cast down into the parameter shard, and the bucket's all-gather
+   is launched -- so it overlaps the next bucket's update.
+3. **Gather**: wait for the all-gathers; every rank holds the full updated parameters.
+
+The user's optimizer object is kept: ``param_groups`` are the same dicts (schedulers
+holding them keep working), with ``"params"`` re-pointed at master pieces.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from zerolite.bucket import GradBucket
+from zerolite.collectives import Group, all_gather_inplace
+from zerolite.config import ZeroConfig
+from zerolite.flat_buffer import FlatParamBuffer
+from zerolite.grad_reducer import GradReducer
+from zerolite.hooks import KeepFullGrads, ShardGradsInBackward
+from zerolite.optim.grad_clip import clip_coefficient, global_grad_norm
+from zerolite.optim.master import MasterShard
+
+__all__ = ["ShardedOptimizer"]
+
+logger = logging.getLogger(__name__)
+
+
+class ShardedOptimizer(torch.optim.Optimizer):
+    """A `torch.optim.Optimizer` whose state lives in shards across data-parallel ranks.
+
+    Built by `zerolite.shard`; not constructed directly. Every rank of the process
+    group must call `step`, `zero_grad` and `clip_grad_norm_` together.
+
+    Attributes:
+        optimizer: the wrapped user optimizer (its ``param_groups`` are shared).
+        config: the `ZeroConfig` it was built with.
+        flats: the flat parameter buffers, in bucket order.
+        masters: one `MasterShard` per flat buffer.
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        *,
+        config: ZeroConfig,
+        group: Group,
+        flats: list[FlatParamBuffer],
+        masters: list[MasterShard],
+        reducer: GradReducer,
+        grads: KeepFullGrads | ShardGradsInBackward,
+    ) -> None:
+        # torch.optim.Optimizer.__init__ would rebuild param groups; set up what it sets
+        # up instead, and share state and groups with the wrapped optimizer.
+        self._optimizer_step_pre_hooks: OrderedDict[int, Callable] = OrderedDict()
+        self._optimizer_step_post_hooks: OrderedDict[int, Callable] = OrderedDict()
+        self._optimizer_state_dict_pre_hooks: OrderedDict[int, Callable] = OrderedDict()
+        self._optimizer_state_dict_post_hooks: OrderedDict[int, Callable] = OrderedDict()
+        self._optimizer_load_state_dict_pre_hooks: OrderedDict[int, Callable] = OrderedDict()
+        self._optimizer_load_state_dict_post_hooks: OrderedDict[int, Callable] = OrderedDict()
+        self._patch_step_function()
+        self.optimizer = optimizer
+        self.config = config
+        self.group = group
+        self.flats = flats
+        self.masters = masters
+        self._reducer = reducer
+        self._grads = grads
+
+    # -- shared with the wrapped optimizer -------------------------------------------
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
+        return self.optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value: list[dict[str, Any]]) -> None:
+        self.optimizer.param_groups = value
+
+    @property
+    def state(self) -> Any:  # type: ignore[override]
+        return self.optimizer.state
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        self.optimizer.state = value
+
+    @property
+    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
+        return self.optimizer.defaults
+
+    @defaults.setter
+    def defaults(self, value: dict[str, Any]) -> None:
+        self.optimizer.defaults = value
+
+    @property
+    def buckets(self) -> list[GradBucket]:
+        return self._reducer.buckets
+
+    def __repr__(self) -> str:
+        return (
+            f"ShardedOptimizer(stage={self.config.stage}, rank={self.group.rank}/{self.group.size}, "
+            f"buffers={len(self.flats)}, optimizer={self.optimizer!r})"
+        )
+
+    # -- the step ----------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        """Reduce gradients, step this rank's shard, all-gather the updated parameters.
+
+        Every rank must call. Parameters are fully updated when this returns.
+
+        Args:
+            closure: re-evaluates the model and returns the loss (run with grad enabled
+                before the reduction), as for any torch optimizer.
+        Returns:
+            The closure's loss, or None.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._check_bound()
+        used = self._reduce_gradients()
+        gathers = []
+        for b, (master, bucket) in enumerate(zip(self.masters, self.buckets)):
+            shard = bucket.shard
+            if shard is None:
+                raise RuntimeError(f"{self.group.prefix()} bucket {b} has no reduced gradient shard")
+            # Transient fp32 copy of one bucket's shard when gradients are 16-bit.
+            master.set_grads(shard if shard.dtype == torch.float32 else shard.float(), used[b])
+            self.optimizer.step()
+            master.clear_grads()
+            master.write_back()
+            gathers.append(all_gather_inplace(master.flat.data, self.group, tag=b))
+        for gather in gathers:
+            gather.wait()
+        self._reducer.after_step()
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Reset gradients of every managed parameter (all ranks must call).
+
+        Args:
+            set_to_none: stage 1: ``param.grad`` becomes None (True) or a zeroed view of
+                the persistent gradient buffer (False). Stage 2 keeps no full-size
+                gradients between steps, so ``param.grad`` is None either way; the
+                gradient shard is zeroed in place in both cases.
+        """
+        self._grads.zero_grad(set_to_none)
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip gradients by their global norm over all ranks' shards; all ranks must call.
+
+        Call after backward and before `step`. Equivalent to
+        ``torch.nn.utils.clip_grad_norm_`` on the unsharded model's gradients (which
+        under sharding would see only local, unreduced gradients).
+
+        Args:
+            max_norm: the largest allowed norm.
+            norm_type: p of the p-norm (> 0), or ``math.inf``.
+        Returns:
+            0-dim fp32 tensor: the total norm before clipping, equal on every rank.
+        """
+        self._reduce_gradients()
+        shards = [b.shard for b in self.buckets if b.shard is not None]
+        total = global_grad_norm(shards, norm_type, self.group)
+        coef = clip_coefficient(total, max_norm)
+        for shard in shards:
+            shard.mul_(coef.to(shard.dtype))
+        return total
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Not supported after `zerolite.shard`: add every group before sharding."""
+        raise RuntimeError(
+            "add_param_group() after zerolite.shard() is not supported: the flat buffers and "
+            "shards are fixed at shard(). Add every parameter group to your optimizer before "
+            "calling zerolite.shard()."
+        )
+
+    def _reduce_gradients(self) -> list[torch.Tensor]:
+        """Phase 1, once per step: per bucket, which params some rank produced a gradient for."""
+        if not self._reducer.reduced:
+            self._grads.collect()
+        return self._reducer.reduce()
+
+    def _check_bound(self) -> None:
+        moved = [name for flat in self.flats for name in flat.unbound()]
+        if moved:
+            raise RuntimeError(
+                f"{self.group.prefix()} parameters {moved[:5]} no longer live in zerolite's flat "
+                "buffers: they were moved, cast or re-assigned after zerolite.shard(). Move and "
+                "cast the model before calling shard()."
+            )

@@ -1,0 +1,260 @@
+"""`shard()`: validate, agree across ranks, then wire the pieces a stage needs.
+
+Nothing is modified until every rank has validated its inputs and all ranks agree on
+the plan (`zerolite.consensus`). Then:
+
+- managed parameters (those the optimizer holds and that require grad) are packed into
+  flat buffers of about ``bucket_size_mb``, in reverse registration order (roughly the
+  order backward produces gradients), and rank 0's values are broadcast, as DDP does;
+- the optimizer's param groups are re-pointed at fp32 master pieces and any existing
+  state is re-sharded;
+- stage 1 wires `KeepFullGrads`, stage 2 `ShardGradsInBackward`; both share buckets,
+  the reducer and the optimizer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import cast
+
+import torch
+from torch import nn
+
+from zerolite.bucket import GradBucket
+from zerolite.collectives import Group, broadcast
+from zerolite.config import ZeroConfig
+from zerolite.consensus import agree
+from zerolite.flat_buffer import FlatParamBuffer
+from zerolite.grad_reducer import GradReducer
+from zerolite.hooks import KeepFullGrads, ShardGradsInBackward
+from zerolite.layout import bucket_partition
+from zerolite.optim.contract import check_optimizer
+from zerolite.optim.master import MasterShard
+from zerolite.optim.sharded_optimizer import ShardedOptimizer
+from zerolite.params import guard_conversions, install_no_sync
+
+__all__ = ["shard"]
+
+logger = logging.getLogger(__name__)
+
+_SHARDED_ATTR = "_zerolite_sharded"
+
+
+@dataclasses.dataclass
+class _Plan:
+    """Everything `shard()` decided, before anything is modified."""
+
+    device: torch.device
+    buckets: list[list[tuple[str, nn.Parameter]]]  # per flat buffer: (name, param), buffer order
+    group_of: dict[int, int]  # id(param) -> index of its optimizer param group
+    frozen: list[tuple[int, nn.Parameter]]  # (group index, param) held by the optimizer, not trainable
+
+    def describe(self, config: ZeroConfig, optimizer: torch.optim.Optimizer) -> list[str]:
+        lines = [
+            f"config: stage={config.stage} param_dtype={config.param_dtype} "
+            f"reduce_dtype={config.reduce_dtype} bucket_size_mb={config.bucket_size_mb}",
+            f"optimizer: {type(optimizer).__qualname__} with {len(optimizer.param_groups)} groups",
+        ]
+        for g, group in enumerate(optimizer.param_groups):
+            hyper = {k: v for k, v in group.items() if k != "params"}
+            lines.append(f"group {g}: {sorted((k, repr(v)) for k, v in hyper.items())}")
+        for b, bucket in enumerate(self.buckets):
+            lines.append(f"buffer {b}: {len(bucket)} params, {sum(p.numel() for _, p in bucket)} elements")
+            for name, p in bucket:
+                lines.append(f"param {name}: shape={tuple(p.shape)} group={self.group_of[id(p)]}")
+        return lines
+
+
+def shard(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    config: ZeroConfig | None = None,
+) -> ShardedOptimizer:
+    """Shard ``optimizer``'s state (and, in stage 2, gradients) across data-parallel ranks.
+
+    ``model`` is changed in place: each parameter the optimizer holds becomes a view of
+    a flat buffer (same ``nn.Parameter`` object, dtype ``config.param_dtype``), gets a
+    gradient hook, and ``model.no_sync()`` appears. ``optimizer`` is kept: its
+    ``param_groups`` (the same dicts) now hold this rank's fp32 master pieces.
+
+    Every rank of ``config.process_group`` must call this with the same model
+    structure, optimizer class and groups, and config; a mismatch raises
+    `zerolite.RankMismatchError` on every rank instead of hanging.
+
+    Args:
+        model: any ``nn.Module`` whose parameters are on one device.
+        optimizer: the user's optimizer over (some of) ``model``'s parameters; an
+            elementwise class (Adam, AdamW, SGD, Adagrad, RMSprop, Adamax, NAdam, RAdam)
+            or one declared in ``config.elementwise_optimizers``.
+        config: a `ZeroConfig`; ``None`` means ``ZeroConfig()`` (which reads ``ZEROLITE_*``
+            environment variables).
+    Returns:
+        The `ShardedOptimizer` to use instead of ``optimizer`` from now on.
+    Raises:
+        TypeError: unsupported optimizer class, or arguments of the wrong type.
+        ValueError: stage 0, parameters not in the model, on mixed devices, or listed twice.
+        RuntimeError: the model was already sharded; ranks disagree (`RankMismatchError`).
+
+    Example::
+
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
+        opt = zerolite.shard(model, opt, zerolite.ZeroConfig(stage=2))
+        loss = model(x).sum(); loss.backward(); opt.step(); opt.zero_grad()
+    """
+    config = ZeroConfig() if config is None else config
+    group = Group(config.process_group)
+    plan: _Plan | None = None
+    lines: list[str] = []
+    error: BaseException | None = None
+    try:
+        plan = _plan(model, optimizer, config, group)
+        lines = plan.describe(config, optimizer)
+    except Exception as exc:  # every rank must learn of it: see zerolite.consensus
+        error = exc
+    agree("zerolite.shard()", lines, error, group)  # raises on every rank if any rank failed
+    return _build(model, optimizer, config, group, cast(_Plan, plan))
+
+
+def _plan(model: nn.Module, optimizer: torch.optim.Optimizer, config: ZeroConfig, group: Group) -> _Plan:
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"shard() needs an nn.Module as model, got {type(model).__name__}")
+    if isinstance(optimizer, ShardedOptimizer):
+        raise TypeError("this optimizer is already a ShardedOptimizer; call shard() once per model")
+    if getattr(model, _SHARDED_ATTR, False):
+        raise RuntimeError(
+            "this model was already sharded by zerolite.shard(); shard() may be called once per model "
+            "(build a new model and optimizer to shard again)"
+        )
+    check_optimizer(optimizer, config.elementwise_optimizers)
+    if config.stage == 0:
+        raise ValueError(
+            "ZeroConfig.stage=0 means plain DDP and is only meaningful to the memory estimator; "
+            "shard() accepts stage 1 or 2"
+        )
+    names = {id(p): n for n, p in model.named_parameters()}
+    group_of: dict[int, int] = {}
+    frozen: list[tuple[int, nn.Parameter]] = []
+    for g, param_group in enumerate(optimizer.param_groups):
+        for i, p in enumerate(param_group["params"]):
+            where = f"optimizer.param_groups[{g}]['params'][{i}] (shape {tuple(p.shape)})"
+            if id(p) not in names:
+                raise ValueError(
+                    f"{where} is not a parameter of the model passed to shard(); build the "
+                    "optimizer from this model's parameters"
+                )
+            if id(p) in group_of:
+                raise ValueError(f"{where} ({names[id(p)]!r}) appears in more than one place in the optimizer")
+            if not p.is_floating_point():
+                raise ValueError(f"{where} ({names[id(p)]!r}) has dtype {p.dtype}; only floating parameters can be sharded")
+            if p.requires_grad:
+                group_of[id(p)] = g
+            else:
+                frozen.append((g, p))
+    managed = [(n, p) for n, p in model.named_parameters() if id(p) in group_of]
+    if not managed:
+        raise ValueError("the optimizer holds no trainable parameter of the model; nothing to shard")
+    devices = {p.device for _, p in managed}
+    if len(devices) > 1:
+        by_device = {p.device: n for n, p in managed}
+        listed = ", ".join(f"{n!r} on {d}" for d, n in by_device.items())
+        raise ValueError(
+            f"parameters are on mixed devices ({listed}); move the whole model to one device "
+            "before shard()"
+        )
+    device = config.device if config.device is not None else devices.pop()
+    itemsize = torch.empty(0, dtype=config.param_dtype).element_size()
+    ordered = list(reversed(managed))  # roughly the order in which backward yields gradients
+    runs = bucket_partition([p.numel() * itemsize for _, p in ordered], config.bucket_bytes)
+    buckets = [[ordered[i] for i in run] for run in runs]
+    return _Plan(device=device, buckets=buckets, group_of=group_of, frozen=frozen)
+
+
+def _build(
+    model: nn.Module, optimizer: torch.optim.Optimizer, config: ZeroConfig, group: Group, plan: _Plan
+) -> ShardedOptimizer:
+    flats = []
+    for b, bucket in enumerate(plan.buckets):
+        flat = FlatParamBuffer(
+            [p for _, p in bucket],
+            [n for n, _ in bucket],
+            rank=group.rank,
+            world_size=group.size,
+            dtype=config.param_dtype,
+            device=plan.device,
+            index=b,
+        )
+        flat.bind()
+        broadcast(flat.data, 0, group)  # every rank starts from rank 0's values, as with DDP
+        flats.append(flat)
+    for buf in model.buffers():
+        broadcast(buf.data, 0, group)
+    masters = [MasterShard(flat) for flat in flats]
+    _repoint_optimizer(optimizer, plan, flats, masters)
+    for flat in flats:
+        for p in flat.params:
+            p.grad = None
+    buckets = [
+        GradBucket(
+            flat,
+            group,
+            full_dtype=config.param_dtype if config.stage == 1 else config.grad_dtype,
+            shard_dtype=config.grad_dtype,
+            keep_full=config.stage == 1,
+        )
+        for flat in flats
+    ]
+    reducer = GradReducer(buckets, group)
+    grads = KeepFullGrads(reducer) if config.stage == 1 else ShardGradsInBackward(reducer)
+    guard_conversions(model, {id(p) for flat in flats for p in flat.params})
+    install_no_sync(model, reducer)
+    setattr(model, _SHARDED_ATTR, True)
+    sharded = ShardedOptimizer(
+        optimizer, config=config, group=group, flats=flats, masters=masters, reducer=reducer, grads=grads
+    )
+    numel = sum(flat.numel for flat in flats)
+    if group.rank == 0:
+        logger.info(
+            "zerolite: stage %d sharded %d parameters (%d elements) into %d flat buffers across %d ranks",
+            config.stage, sum(len(f.params) for f in flats), numel, len(flats), group.size,
+        )
+    return sharded
+
+
+@torch.no_grad()
+def _repoint_optimizer(
+    optimizer: torch.optim.Optimizer, plan: _Plan, flats: list[FlatParamBuffer], masters: list[MasterShard]
+) -> None:
+    """Replace each group's ``"params"`` by this rank's master pieces; re-shard state."""
+    new_params: list[list[torch.Tensor]] = [[] for _ in optimizer.param_groups]
+    for flat, master in zip(flats, masters):
+        for piece, tensor in zip(flat.pieces, master.pieces):
+            param = flat.params[piece.index]
+            new_params[plan.group_of[id(param)]].append(tensor)
+            old = optimizer.state.get(param)
+            if old:
+                optimizer.state[tensor] = {
+                    key: _slice_state(key, value, param, piece.param_start, piece.param_end)
+                    for key, value in old.items()
+                }
+    for flat in flats:
+        for param in flat.params:
+            optimizer.state.pop(param, None)
+    for _, param in plan.frozen:
+        optimizer.state.pop(param, None)
+    for param_group, params in zip(optimizer.param_groups, new_params):
+        param_group["params"] = params
+
+
+# 0-dim state that is never per-element, even for a 0-dim parameter.
+_SCALAR_STATE = frozenset({"step", "eta", "mu", "mu_product"})
+
+
+def _slice_state(key: str, value: object, param: torch.Tensor, start: int, end: int) -> object:
+    """A state entry for one piece: per-element tensors sliced (fp32), scalars copied."""
+    if isinstance(value, torch.Tensor):
+        if value.shape == param.shape and key not in _SCALAR_STATE:
+            out = value.detach().reshape(-1)[start:end].clone()
+            return out.float() if out.is_floating_point() else out
+        return value.detach().clone()
+    return value
