@@ -26,6 +26,19 @@ def _make_tensor(scale: float) -> dict[str, torch.Tensor]:
     return {"t": torch.arange(6, dtype=torch.float64).reshape(2, 3) * scale + rank}
 
 
+_PENDING: list[dist.Work] = []  # keeps an isend alive after its rank's fn has returned
+
+
+def _early_return_with_pending_send() -> float | None:
+    if dist.get_rank() == 1:
+        _PENDING.append(dist.isend(torch.tensor([42.0]), dst=0))
+        return None  # returns before rank 0 has even posted its recv
+    time.sleep(0.5)
+    t = torch.zeros(1)
+    dist.recv(t, src=1)
+    return t.item()
+
+
 def _rank1_raises() -> None:
     if dist.get_rank() == 1:
         raise ValueError("boom")
@@ -105,6 +118,11 @@ def test_tensor_return_values_round_trip() -> None:
         expected = torch.arange(6, dtype=torch.float64).reshape(2, 3) * 0.5 + rank
         torch.testing.assert_close(out["t"], expected)
         assert not out["t"].is_shared()
+
+
+def test_group_outlives_ranks_that_return_early() -> None:
+    # A rank must not destroy the group while a peer still uses it.
+    assert run_ranks(_early_return_with_pending_send, 2, timeout=30) == [42.0, None]
 
 
 def test_caller_environment_reaches_ranks(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -59,10 +59,11 @@ class _Plan:
         for g, group in enumerate(optimizer.param_groups):
             hyper = {k: v for k, v in group.items() if k != "params"}
             lines.append(f"group {g}: {sorted((k, repr(v)) for k, v in hyper.items())}")
+        in_model_order = reversed([item for bucket in self.buckets for item in bucket])
+        for name, p in in_model_order:
+            lines.append(f"param {name}: shape={tuple(p.shape)} group={self.group_of[id(p)]}")
         for b, bucket in enumerate(self.buckets):
-            lines.append(f"buffer {b}: {len(bucket)} params, {sum(p.numel() for _, p in bucket)} elements")
-            for name, p in bucket:
-                lines.append(f"param {name}: shape={tuple(p.shape)} group={self.group_of[id(p)]}")
+            lines.append(f"buffer {b}: params {[n for n, _ in bucket]}")
         return lines
 
 
@@ -156,7 +157,9 @@ def _plan(model: nn.Module, optimizer: torch.optim.Optimizer, config: ZeroConfig
         raise ValueError("the optimizer holds no trainable parameter of the model; nothing to shard")
     devices = {p.device for _, p in managed}
     if len(devices) > 1:
-        by_device = {p.device: n for n, p in managed}
+        by_device: dict[torch.device, str] = {}
+        for n, p in managed:
+            by_device.setdefault(p.device, n)
         listed = ", ".join(f"{n!r} on {d}" for d, n in by_device.items())
         raise ValueError(
             f"parameters are on mixed devices ({listed}); move the whole model to one device "

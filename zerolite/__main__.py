@@ -1,0 +1,5 @@
+import sys
+
+from zerolite.cli import main
+
+sys.exit(main())
