@@ -58,20 +58,24 @@ def _rank0_hangs() -> int:
 
 
 def _rank1_exits(code: int) -> None:
+    dist.barrier()
     if dist.get_rank() == 1:
+        time.sleep(0.2)
         os._exit(code)
     time.sleep(60)
 
 
 def _rank1_raises_rank0_sleeps() -> None:
+    dist.barrier()  # rank 0 is past gloo's connection setup before rank 1 disappears
     if dist.get_rank() == 1:
+        time.sleep(0.2)
         raise ValueError("boom")
     time.sleep(60)  # in Python, not a collective: cannot notice that rank 1 is gone
 
 
 def _both_raise() -> None:
-    if dist.get_rank() == 0:
-        time.sleep(0.5)
+    dist.barrier()
+    time.sleep(0.2 if dist.get_rank() == 1 else 0.7)  # rank 1 first, rank 0 inside the grace
     raise KeyError(f"bad rank {dist.get_rank()}")
 
 

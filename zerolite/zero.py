@@ -15,6 +15,7 @@ the plan (`zerolite.consensus`). Then:
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import logging
 from typing import cast
 
@@ -114,7 +115,8 @@ def shard(
     except Exception as exc:  # every rank must learn of it: see zerolite.consensus
         error = exc
     agree("zerolite.shard()", lines, error, group)  # raises on every rank if any rank failed
-    return _build(model, optimizer, config, group, cast(_Plan, plan))
+    digest = hashlib.sha256("\n".join(lines).encode()).hexdigest()
+    return _build(model, optimizer, config, group, cast(_Plan, plan), digest)
 
 
 def _plan(model: nn.Module, optimizer: torch.optim.Optimizer, config: ZeroConfig, group: Group) -> _Plan:
@@ -174,7 +176,12 @@ def _plan(model: nn.Module, optimizer: torch.optim.Optimizer, config: ZeroConfig
 
 
 def _build(
-    model: nn.Module, optimizer: torch.optim.Optimizer, config: ZeroConfig, group: Group, plan: _Plan
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    config: ZeroConfig,
+    group: Group,
+    plan: _Plan,
+    layout_digest: str,
 ) -> ShardedOptimizer:
     flats = []
     for b, bucket in enumerate(plan.buckets):
@@ -213,7 +220,15 @@ def _build(
     install_no_sync(model, reducer)
     setattr(model, _SHARDED_ATTR, True)
     sharded = ShardedOptimizer(
-        optimizer, config=config, group=group, flats=flats, masters=masters, reducer=reducer, grads=grads
+        optimizer,
+        config=config,
+        group=group,
+        flats=flats,
+        masters=masters,
+        reducer=reducer,
+        grads=grads,
+        layout_digest=layout_digest,
+        model=model,
     )
     numel = sum(flat.numel for flat in flats)
     if group.rank == 0:

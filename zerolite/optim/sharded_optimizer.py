@@ -17,6 +17,7 @@ holding them keep working), with ``"params"`` re-pointed at master pieces.
 from __future__ import annotations
 
 import logging
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
@@ -30,7 +31,9 @@ from zerolite.flat_buffer import FlatParamBuffer
 from zerolite.grad_reducer import GradReducer
 from zerolite.hooks import KeepFullGrads, ShardGradsInBackward
 from zerolite.optim.grad_clip import clip_coefficient, global_grad_norm
+from zerolite.optim.loss_scale import DynamicLossScaler
 from zerolite.optim.master import MasterShard
+from zerolite.optim.state_dict import load_sharded_state_dict, sharded_state_dict
 
 __all__ = ["ShardedOptimizer"]
 
@@ -60,6 +63,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         masters: list[MasterShard],
         reducer: GradReducer,
         grads: KeepFullGrads | ShardGradsInBackward,
+        layout_digest: str,
+        model: torch.nn.Module,
     ) -> None:
         # torch.optim.Optimizer.__init__ would rebuild param groups; set up what it sets
         # up instead, and share state and groups with the wrapped optimizer.
@@ -77,6 +82,16 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.masters = masters
         self._reducer = reducer
         self._grads = grads
+        # sha256 of what shard() agreed on (config, params, buffers): identifies the layout.
+        self.layout_digest = layout_digest
+        # The sharded model, weakly: memory accounting reads its other parameters.
+        self._model = weakref.ref(model)
+        # fp16 only: scales the loss, unscales gradients, decides skipped steps.
+        self.loss_scaler = DynamicLossScaler() if config.param_dtype == torch.float16 else None
+        # True when the last step() was skipped because gradients overflowed (fp16).
+        self.step_was_skipped = False
+        self._prepared: list[torch.Tensor] | None = None
+        self._overflow = False
 
     # -- shared with the wrapped optimizer -------------------------------------------
     @property
@@ -104,6 +119,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.optimizer.defaults = value
 
     @property
+    def model(self) -> torch.nn.Module | None:
+        """The model this optimizer was sharded with (None once it was garbage-collected)."""
+        return self._model()
+
+    @property
     def buckets(self) -> list[GradBucket]:
         return self._reducer.buckets
 
@@ -118,7 +138,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
         """Reduce gradients, step this rank's shard, all-gather the updated parameters.
 
-        Every rank must call. Parameters are fully updated when this returns.
+        Every rank must call. Parameters are fully updated when this returns. With fp16
+        loss scaling, a step whose gradients overflowed on any rank is skipped on every
+        rank (`step_was_skipped`), leaving parameters and optimizer state unchanged.
 
         Args:
             closure: re-evaluates the model and returns the loss (run with grad enabled
@@ -131,7 +153,18 @@ class ShardedOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._check_bound()
-        used = self._reduce_gradients()
+        used = self._prepare_gradients()
+        self.step_was_skipped = self._overflow
+        if self.loss_scaler is not None:
+            self.loss_scaler.update(self._overflow)
+        if not self._overflow:
+            self._update_and_gather(used)
+        self._reducer.after_step()
+        self._prepared = None
+        return loss
+
+    def _update_and_gather(self, used: list[torch.Tensor]) -> None:
+        """Phases 2 and 3: step bucket by bucket, each bucket's all-gather overlapping the next."""
         gathers = []
         for b, (master, bucket) in enumerate(zip(self.masters, self.buckets)):
             shard = bucket.shard
@@ -145,8 +178,35 @@ class ShardedOptimizer(torch.optim.Optimizer):
             gathers.append(all_gather_inplace(master.flat.data, self.group, tag=b))
         for gather in gathers:
             gather.wait()
-        self._reducer.after_step()
-        return loss
+
+    def _prepare_gradients(self) -> list[torch.Tensor]:
+        """Phase 1, once per step: reduce, then (fp16) detect overflow and unscale.
+
+        Returns, per bucket, which params some rank produced a gradient for.
+        """
+        if self._prepared is None:
+            if not self._reducer.reduced:
+                self._grads.collect()
+            used = self._reducer.reduce()
+            self._overflow = False
+            if self.loss_scaler is not None:
+                shards = self._grad_shards()
+                self._overflow = self.loss_scaler.found_overflow(shards, self.group)
+                if not self._overflow:
+                    for shard in shards:
+                        shard.mul_(1.0 / self.loss_scaler.scale)
+            self._prepared = used
+        return self._prepared
+
+    def _grad_shards(self) -> list[torch.Tensor]:
+        return [b.shard for b in self.buckets if b.shard is not None]
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss`` times the current loss scale (fp16); ``loss`` itself otherwise.
+
+        Use as ``opt.scale_loss(loss).backward()``; `step` and `clip_grad_norm_` unscale.
+        """
+        return loss if self.loss_scaler is None else loss * self.loss_scaler.scale
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Reset gradients of every managed parameter (all ranks must call).
@@ -158,6 +218,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 gradient shard is zeroed in place in both cases.
         """
         self._grads.zero_grad(set_to_none)
+        self._prepared = None
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
@@ -165,7 +226,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
         Call after backward and before `step`. Equivalent to
         ``torch.nn.utils.clip_grad_norm_`` on the unsharded model's gradients (which
-        under sharding would see only local, unreduced gradients).
+        under sharding would see only local, unreduced gradients). With fp16 loss
+        scaling, gradients are unscaled first and an overflow returns ``inf`` (the step
+        will be skipped).
 
         Args:
             max_norm: the largest allowed norm.
@@ -173,13 +236,31 @@ class ShardedOptimizer(torch.optim.Optimizer):
         Returns:
             0-dim fp32 tensor: the total norm before clipping, equal on every rank.
         """
-        self._reduce_gradients()
-        shards = [b.shard for b in self.buckets if b.shard is not None]
+        self._prepare_gradients()
+        shards = self._grad_shards()
+        if self._overflow:
+            return torch.tensor(float("inf"))
         total = global_grad_norm(shards, norm_type, self.group)
         coef = clip_coefficient(total, max_norm)
         for shard in shards:
             shard.mul_(coef.to(shard.dtype))
         return total
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's shard: optimizer state and hyperparameters, fp32 masters, loss scale.
+
+        Carries rank, world size, stage and a layout digest; see `load_state_dict`.
+        Tensors are references (as with any torch optimizer): copy before mutating.
+        """
+        return sharded_state_dict(self)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load the dict this same rank saved, at the same world size, stage and layout.
+
+        Every rank must call, each with its own rank's dict. Refused on every rank,
+        before anything changes, if any rank got another rank's dict or another layout.
+        """
+        load_sharded_state_dict(self, state_dict)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Not supported after `zerolite.shard`: add every group before sharding."""
@@ -188,12 +269,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
             "shards are fixed at shard(). Add every parameter group to your optimizer before "
             "calling zerolite.shard()."
         )
-
-    def _reduce_gradients(self) -> list[torch.Tensor]:
-        """Phase 1, once per step: per bucket, which params some rank produced a gradient for."""
-        if not self._reducer.reduced:
-            self._grads.collect()
-        return self._reducer.reduce()
 
     def _check_bound(self) -> None:
         moved = [name for flat in self.flats for name in flat.unbound()]

@@ -1,0 +1,165 @@
+"""Memory accounting: what a rank holds, measured, and what the ZeRO formulas say.
+
+`MemoryBreakdown` serves both. Its fields are bytes per rank:
+
+- ``params``: parameter storage (flat buffers, plus the model's other parameters);
+- ``grads``: persistent gradient storage (stage 1: the full-size flat gradient buffers
+  that ``param.grad`` views; stage 2: this rank's reduced gradient shards);
+- ``master``: fp32 master shards that are copies (16-bit training; in fp32 the master
+  is the parameter shard itself and costs nothing extra);
+- ``optimizer_state``: every tensor in the wrapped optimizer's ``state`` (moments, and
+  scalar state such as Adam's 0-dim ``step``: 4 bytes per master piece);
+- ``transient``: buffers alive only around communication or the step (stage-2 gradient
+  buckets in flight, stage-1 reduced shards during the step, full-size gradients not
+  yet moved into a bucket). A measurement reports what is alive at that moment.
+
+`footprint` counts each distinct storage once (``untyped_storage().data_ptr()``), in
+the order of the fields above: a view shares its base's storage and is not counted
+again. `formula` is DESIGN §3's table for Adam-style state (8 bytes per parameter).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+from fractions import Fraction
+
+import torch
+
+from zerolite.optim.sharded_optimizer import ShardedOptimizer
+
+__all__ = ["MemoryBreakdown", "footprint", "formula", "STATE_BYTES_PER_PARAM"]
+
+# Bytes of per-element optimizer state per parameter (fp32 state, as torch keeps it).
+STATE_BYTES_PER_PARAM: dict[str, int] = {
+    "adam": 8,
+    "adamw": 8,
+    "sgd": 0,
+    "sgd_momentum": 4,
+    "adagrad": 4,
+    "rmsprop": 4,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryBreakdown:
+    """Bytes per rank by category (see the module docstring)."""
+
+    params: int = 0
+    grads: int = 0
+    master: int = 0
+    optimizer_state: int = 0
+    transient: int = 0
+
+    @property
+    def model_states(self) -> int:
+        """Everything but ``transient``: what ZeRO's formulas count."""
+        return self.params + self.grads + self.master + self.optimizer_state
+
+    @property
+    def total(self) -> int:
+        return self.model_states + self.transient
+
+    def __str__(self) -> str:
+        rows = [(f.name, getattr(self, f.name)) for f in dataclasses.fields(self)]
+        rows += [("model_states", self.model_states), ("total", self.total)]
+        return "\n".join(f"{name:16s} {_human(value):>12s}" for name, value in rows)
+
+
+def _human(n: int) -> str:
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(n) >= size:
+            return f"{n / size:.3g} {unit}"
+    return f"{n} B"
+
+
+class _StorageCensus:
+    """Adds up bytes of distinct storages, each counted in the first category that claims it."""
+
+    def __init__(self) -> None:
+        self._seen: set[tuple[str, int]] = set()
+
+    def count(self, tensors: Iterable[torch.Tensor | None]) -> int:
+        total = 0
+        for t in tensors:
+            if t is None or not isinstance(t, torch.Tensor):
+                continue
+            storage = t.untyped_storage()
+            key = (str(t.device), storage.data_ptr())
+            if key not in self._seen:
+                self._seen.add(key)
+                total += storage.nbytes()
+        return total
+
+
+def _state_tensors(opt: ShardedOptimizer) -> Iterable[torch.Tensor]:
+    for state in opt.state.values():
+        for value in state.values():
+            if isinstance(value, torch.Tensor):
+                yield value
+
+
+def footprint(opt: ShardedOptimizer) -> MemoryBreakdown:
+    """Measure what this rank holds for ``opt`` and its model, by category.
+
+    Local: no communication; any rank may call it at any time. The four model-state
+    fields do not depend on when it is called (gradient buffers are persistent);
+    ``transient`` is what is alive at that moment.
+    """
+    census = _StorageCensus()
+    model = opt.model
+    model_params = list(model.parameters()) if model is not None else []
+    params = census.count([f.data for f in opt.flats] + model_params)
+    master = census.count(m.data for m in opt.masters)
+    persistent = [b.full if b.keep_full else b.shard for b in opt.buckets]
+    other_grads = [p.grad for p in model_params if not any(p is q for f in opt.flats for q in f.params)]
+    grads = census.count(persistent + other_grads)
+    state = census.count(_state_tensors(opt))
+    transient = census.count(
+        [b.shard if b.keep_full else b.full for b in opt.buckets] + [p.grad for p in model_params]
+    )
+    return MemoryBreakdown(params=params, grads=grads, master=master, optimizer_state=state, transient=transient)
+
+
+def formula(
+    num_params: int,
+    *,
+    world_size: int,
+    stage: int,
+    param_dtype: torch.dtype = torch.float32,
+    reduce_dtype: torch.dtype | None = None,
+    optimizer: str = "adamw",
+) -> MemoryBreakdown:
+    """DESIGN §3's per-rank model states for ``num_params`` parameters, without padding.
+
+    Args:
+        num_params: Ψ, the number of trained parameter elements.
+        world_size: N.
+        stage: 0 (DDP, for comparison), 1, 2 or 3.
+        param_dtype: compute dtype; 16-bit adds a 4-byte fp32 master per parameter.
+        reduce_dtype: dtype of gradient shards (stages 2-3); None means ``param_dtype``.
+            Stages 0-1 keep full gradients in ``param_dtype``.
+        optimizer: a key of `STATE_BYTES_PER_PARAM`.
+    Returns:
+        A `MemoryBreakdown` with ``transient = 0``. Example: 7.5e9 parameters, N=64,
+        bf16, stages 0-3 give 120, 31.4, 16.6 and 1.88 GB of model states.
+    """
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"stage must be 0 (DDP), 1, 2 or 3, got {stage!r}")
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size!r}")
+    if optimizer not in STATE_BYTES_PER_PARAM:
+        raise ValueError(f"optimizer must be one of {sorted(STATE_BYTES_PER_PARAM)}, got {optimizer!r}")
+    psi = Fraction(num_params)
+    shard = psi / world_size
+    p = torch.empty(0, dtype=param_dtype).element_size()
+    g = torch.empty(0, dtype=reduce_dtype or param_dtype).element_size()
+    master_bytes = 0 if param_dtype == torch.float32 else 4
+    state_bytes = STATE_BYTES_PER_PARAM[optimizer]
+    sharded_state = shard if stage >= 1 else psi
+    return MemoryBreakdown(
+        params=round(p * (shard if stage >= 3 else psi)),
+        grads=round(g * shard if stage >= 2 else p * psi),
+        master=round(master_bytes * sharded_state),
+        optimizer_state=round(state_bytes * sharded_state),
+    )

@@ -1,0 +1,92 @@
+"""In-memory ``state_dict`` of a `ShardedOptimizer`: this rank's shard, and only it.
+
+The dict is the wrapped optimizer's own ``state_dict()`` (state keyed by piece index,
+param groups with their hyperparameters) plus a ``"zerolite"`` entry: the rank and
+world size it belongs to, the stage, a digest of the layout, this rank's fp32 master
+shards and the loss-scaler state. Loading checks that entry on every rank and agrees
+across ranks before touching anything, so a dict from another rank (which would
+silently load someone else's shard) or another layout is refused everywhere at once.
+
+For files that survive a change of world size, use `zerolite.checkpoint`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from zerolite.collectives import all_gather_inplace
+from zerolite.consensus import agree
+
+if TYPE_CHECKING:
+    from zerolite.optim.sharded_optimizer import ShardedOptimizer
+
+__all__ = ["sharded_state_dict", "load_sharded_state_dict"]
+
+FORMAT = 1
+
+
+def sharded_state_dict(opt: ShardedOptimizer) -> dict[str, Any]:
+    """This rank's optimizer state; tensors are references, as torch's ``state_dict()``."""
+    inner = opt.optimizer.state_dict()
+    inner["zerolite"] = {
+        "format": FORMAT,
+        "rank": opt.group.rank,
+        "world_size": opt.group.size,
+        "stage": opt.config.stage,
+        "layout": opt.layout_digest,
+        "masters": [master.data for master in opt.masters],
+        "loss_scaler": None if opt.loss_scaler is None else opt.loss_scaler.state_dict(),
+    }
+    return inner
+
+
+def _check(opt: ShardedOptimizer, state_dict: dict[str, Any]) -> None:
+    meta = state_dict.get("zerolite") if isinstance(state_dict, dict) else None
+    if meta is None:
+        raise ValueError(
+            "not a ShardedOptimizer state dict (no 'zerolite' entry): load a dict saved from a "
+            "ShardedOptimizer, or use zerolite.checkpoint to load across topologies"
+        )
+    if meta.get("format") != FORMAT:
+        raise ValueError(f"state dict format {meta.get('format')!r} is not supported (expected {FORMAT})")
+    here = (opt.group.rank, opt.group.size)
+    saved = (meta["rank"], meta["world_size"])
+    if saved != here:
+        raise ValueError(
+            f"this state dict holds rank {saved[0]}/{saved[1]}'s shard but is being loaded on rank "
+            f"{here[0]}/{here[1]}: each rank must load the dict its own rank saved (an in-memory "
+            "state dict does not reshard; zerolite.checkpoint does)"
+        )
+    if meta["stage"] != opt.config.stage or meta["layout"] != opt.layout_digest:
+        raise ValueError(
+            f"this state dict was saved with stage {meta['stage']} and another parameter layout "
+            "(model, optimizer groups or bucket_size_mb differ); load it into the same setup, or "
+            "use zerolite.checkpoint"
+        )
+    if len(meta["masters"]) != len(opt.masters):
+        raise ValueError(f"state dict has {len(meta['masters'])} master shards, expected {len(opt.masters)}")
+    if (meta["loss_scaler"] is None) != (opt.loss_scaler is None):
+        raise ValueError("state dict and optimizer disagree on fp16 loss scaling")
+
+
+@torch.no_grad()
+def load_sharded_state_dict(opt: ShardedOptimizer, state_dict: dict[str, Any]) -> None:
+    """Load this rank's dict (every rank must call, each with its own rank's dict)."""
+    error: BaseException | None = None
+    try:
+        _check(opt, state_dict)
+    except Exception as exc:  # peers must learn of it before the all-gather below
+        error = exc
+    agree("ShardedOptimizer.load_state_dict()", [opt.layout_digest], error, opt.group)
+    meta = state_dict["zerolite"]
+    opt.optimizer.load_state_dict({k: v for k, v in state_dict.items() if k != "zerolite"})
+    for master, saved in zip(opt.masters, meta["masters"]):
+        master.data.copy_(saved)
+        master.write_back()
+    gathers = [all_gather_inplace(m.flat.data, opt.group, tag=b) for b, m in enumerate(opt.masters)]
+    for gather in gathers:
+        gather.wait()
+    if opt.loss_scaler is not None:
+        opt.loss_scaler.load_state_dict(meta["loss_scaler"])
