@@ -9,7 +9,8 @@ See README.md for the full picture.
 from zerolite._version import __version__
 from zerolite.config import ZeroConfig
 from zerolite.consensus import RankMismatchError
+from zerolite.full_state_dict import full_state_dict
 from zerolite.optim.sharded_optimizer import ShardedOptimizer
 from zerolite.zero import shard
 
-__all__ = ["__version__", "ZeroConfig", "RankMismatchError", "ShardedOptimizer", "shard"]
+__all__ = ["__version__", "ZeroConfig", "RankMismatchError", "ShardedOptimizer", "full_state_dict", "shard"]

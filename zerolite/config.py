@@ -83,6 +83,12 @@ _ENV_FIELDS: dict[str, tuple[str, Callable[[str], Any], Any]] = {
         25.0,
     ),
     "device": ("ZEROLITE_DEVICE", lambda s: torch.device(s), None),
+    "prefetch": ("ZEROLITE_PREFETCH", lambda s: _parse_number("prefetch", s, int), 1),
+    "reshard_after_forward": (
+        "ZEROLITE_RESHARD_AFTER_FORWARD",
+        lambda s: _parse_bool("reshard_after_forward", s),
+        True,
+    ),
 }
 
 
@@ -92,7 +98,8 @@ class ZeroConfig:
 
     Args:
         stage: 1 shards optimizer state (fp32 masters and moments); 2 also shards
-            gradients, reduce-scattered during backward. 0 means plain DDP and is only
+            gradients, reduce-scattered during backward; 3 also shards parameters,
+            all-gathered per unit just before use. 0 means plain DDP and is only
             meaningful to the memory estimator: `shard()` rejects it. Env: ``ZEROLITE_STAGE``.
         param_dtype: dtype of the compute copy of every managed parameter. The fp32
             master is this rank's shard: with ``torch.float32`` it is the parameter
@@ -109,6 +116,15 @@ class ZeroConfig:
         elementwise_optimizers: optimizer classes, beyond zerolite's allow-list, that
             the user declares elementwise (their update of an element depends only on
             that element's own gradient and state), so stepping 1-D shards is exact.
+        unit_modules: stage 3: which modules are gathered together as one unit. ``None``
+            makes each element of every ``nn.ModuleList`` a unit; a tuple of module
+            classes, or a callable ``module -> bool``, picks them instead. The root
+            module is always a unit, holding every parameter no other unit holds.
+        prefetch: stage 3: units whose all-gather starts ahead of use (next units in
+            forward, previous ones in backward). Env: ``ZEROLITE_PREFETCH``.
+        reshard_after_forward: stage 3: free each unit's full parameters after its
+            forward (and gather again for backward). The root unit stays gathered from
+            forward to backward either way. Env: ``ZEROLITE_RESHARD_AFTER_FORWARD``.
 
     Raises:
         ValueError: a field (or its environment variable) holds an invalid value; the
@@ -122,6 +138,9 @@ class ZeroConfig:
     process_group: dist.ProcessGroup | None = None
     device: torch.device | None = _UNSET
     elementwise_optimizers: tuple[type[torch.optim.Optimizer], ...] = ()
+    unit_modules: tuple[type[torch.nn.Module], ...] | Callable[[torch.nn.Module], bool] | None = None
+    prefetch: int = _UNSET
+    reshard_after_forward: bool = _UNSET
 
     def __post_init__(self) -> None:
         for name, (env, parse, default) in _ENV_FIELDS.items():
@@ -131,10 +150,10 @@ class ZeroConfig:
         self._validate()
 
     def _validate(self) -> None:
-        if isinstance(self.stage, bool) or not isinstance(self.stage, int) or self.stage not in (0, 1, 2):
+        if isinstance(self.stage, bool) or not isinstance(self.stage, int) or self.stage not in (0, 1, 2, 3):
             raise ValueError(
                 f"ZeroConfig.stage: got {self.stage!r}; allowed values are 0 (DDP, estimator "
-                "only), 1 (optimizer state) and 2 (+ gradients)"
+                "only), 1 (optimizer state), 2 (+ gradients) and 3 (+ parameters)"
             )
         if self.param_dtype not in _ALLOWED_DTYPES:
             raise ValueError(
@@ -166,6 +185,20 @@ class ZeroConfig:
                     f"ZeroConfig.device: got {self.device!r}; allowed: None or a torch.device / "
                     "device string such as 'cpu' or 'cuda:0'"
                 ) from None
+        um = self.unit_modules
+        if um is not None and not callable(um) and not (
+            isinstance(um, tuple) and all(isinstance(c, type) and issubclass(c, torch.nn.Module) for c in um)
+        ):
+            raise ValueError(
+                f"ZeroConfig.unit_modules: got {um!r}; allowed: None, a tuple of nn.Module "
+                "classes, or a callable module -> bool"
+            )
+        if isinstance(self.prefetch, bool) or not isinstance(self.prefetch, int) or self.prefetch < 0:
+            raise ValueError(f"ZeroConfig.prefetch: got {self.prefetch!r}; allowed: an int >= 0")
+        if not isinstance(self.reshard_after_forward, bool):
+            raise ValueError(
+                f"ZeroConfig.reshard_after_forward: got {self.reshard_after_forward!r}; allowed: True or False"
+            )
         eo = self.elementwise_optimizers
         if not isinstance(eo, tuple) or not all(
             isinstance(c, type) and issubclass(c, torch.optim.Optimizer) for c in eo

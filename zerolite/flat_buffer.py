@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from zerolite.collectives import Group, Pending, all_gather_inplace
 from zerolite.layout import FlatLayout, ParamPiece
 
 __all__ = ["FlatParamBuffer"]
@@ -57,6 +58,9 @@ class FlatParamBuffer:
         self.shard = self.data[lo:hi]
         # The pieces of parameters that fall into this rank's shard, buffer order.
         self.pieces: list[ParamPiece] = self.layout.pieces(rank)
+        # True while every rank holds the full buffer between steps (stages 1-2).
+        self.replicated = True
+        self._full_bytes = self.data.untyped_storage().nbytes()
 
     def bind(self) -> None:
         """Copy each parameter's values into the buffer and make ``param.data`` a view of it."""
@@ -66,6 +70,56 @@ class FlatParamBuffer:
                 view.copy_(p.data)
                 p.data = view
 
+    def shard_only(self) -> None:
+        """Stage 3: keep only this rank's shard (own storage) and free the full buffer.
+
+        [Note: freed parameters] Between gathers a parameter keeps its identity, shape,
+        dtype and device, but its ``.data`` is one NaN broadcast to the full shape (a
+        zero-stride view of a single element): no memory, writes into it raise, and
+        anything computed from it is NaN -- never stale or shard-sized values. (A meta
+        tensor cannot replace a CPU/CUDA parameter's data, and a view of freed storage
+        crashes the process when read.) The full buffer's storage is resized to 0 bytes
+        rather than dropped, so tensors autograd saved during forward (views of the
+        weights, e.g. ``weight.t()``) see the values again when `unshard` re-allocates
+        the same storage for backward.
+        """
+        self.shard = self.shard.clone()
+        self.replicated = False
+        nan = torch.full((1,), float("nan"), dtype=self.data.dtype, device=self.data.device)
+        self._placeholders = [nan.expand(shape) for shape in self.shapes]
+        self.reshard()
+
+    @property
+    def unsharded(self) -> bool:
+        """True while the full buffer (and so every parameter) holds values."""
+        return self.data.untyped_storage().nbytes() > 0
+
+    def unshard(self, group: Group) -> Pending:
+        """Launch the all-gather of the full buffer from every rank's shard (stage 3).
+
+        Parameters are bound to the buffer at once; their values are valid after the
+        returned handle's ``wait()``.
+        """
+        if self.unsharded:
+            return Pending()
+        self.data.untyped_storage().resize_(self._full_bytes)
+        lo, hi = self.layout.shard_range(self.rank)
+        self.data[lo:hi].copy_(self.shard)
+        for i, p in enumerate(self.params):
+            p.data = self.param_view(self.data, i)
+        return self.all_gather(group)
+
+    def all_gather(self, group: Group) -> Pending:
+        """Launch the in-place all-gather of ``data`` from every rank's chunk."""
+        return all_gather_inplace(self.data, group, tag=2 * self.index + 1)  # even tags: reduce-scatters
+
+    def reshard(self) -> None:
+        """Free the full buffer (stage 3; see [Note: freed parameters]); no-op when replicated."""
+        if not self.replicated:
+            for p, placeholder in zip(self.params, self._placeholders):
+                p.data = placeholder
+            self.data.untyped_storage().resize_(0)
+
     def param_view(self, flat: torch.Tensor, index: int) -> torch.Tensor:
         """Parameter ``index``'s region of any buffer of this layout, in the param's shape."""
         start, end = self.layout.param_range(index)
@@ -73,6 +127,9 @@ class FlatParamBuffer:
 
     def unbound(self) -> list[str]:
         """Names of parameters whose storage is no longer this buffer (see [Note: binding])."""
+        if not self.replicated and not self.unsharded:
+            nan_ptr = self._placeholders[0].data_ptr() if self._placeholders else 0
+            return [n for n, p in zip(self.names, self.params) if p.data_ptr() != nan_ptr or p.dtype != self.data.dtype]
         base = self.data.data_ptr()
         size = self.data.element_size()
         out = []

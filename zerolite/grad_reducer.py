@@ -74,7 +74,7 @@ class GradReducer:
     def _launch(self, bucket: GradBucket) -> None:
         while len(self._in_flight) >= self.max_in_flight:
             self._in_flight.popleft().wait()
-        bucket.launch(tag=bucket.flat.index)
+        bucket.launch(tag=2 * bucket.flat.index)  # odd tags are all-gathers
         self._in_flight.append(bucket)
         self._next_launch += 1
 

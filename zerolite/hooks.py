@@ -16,6 +16,7 @@ gradients the hooks did not see into the buckets), `zero_grad` and `remove`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -90,6 +91,10 @@ class ShardGradsInBackward(_GradHooks):
     def __init__(self, reducer: GradReducer) -> None:
         super().__init__(reducer)
         self._callback_queued = False
+        # Stage 3 listens: a bucket's gradients are all in (its unit can be freed), and
+        # backward has ended.
+        self.on_bucket_complete: Callable[[int], None] | None = None
+        self.on_backward_end: Callable[[], None] | None = None
 
     def on_grad(self, b: int, i: int, param: nn.Parameter) -> None:
         bucket = self.reducer.buckets[b]
@@ -109,12 +114,17 @@ class ShardGradsInBackward(_GradHooks):
             self._callback_queued = True
         if not self.reducer.sync_disabled:
             bucket.ready += 1
+            complete = bucket.ready == len(bucket.flat.params)
             self.reducer.launch_ready()
+            if complete and self.on_bucket_complete is not None:
+                self.on_bucket_complete(b)
 
     def _on_backward_end(self) -> None:
         self._callback_queued = False
         if not self.reducer.sync_disabled:
             self.reducer.flush()
+        if self.on_backward_end is not None:
+            self.on_backward_end()
 
     def collect(self) -> None:
         """Step boundary: gradients assigned by hand to ``param.grad`` join the buckets."""

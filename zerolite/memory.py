@@ -99,6 +99,10 @@ def _state_tensors(opt: ShardedOptimizer) -> Iterable[torch.Tensor]:
                 yield value
 
 
+def _in_flats(p: torch.Tensor, opt: ShardedOptimizer) -> bool:
+    return any(p is q for f in opt.flats for q in f.params)
+
+
 def footprint(opt: ShardedOptimizer) -> MemoryBreakdown:
     """Measure what this rank holds for ``opt`` and its model, by category.
 
@@ -109,14 +113,18 @@ def footprint(opt: ShardedOptimizer) -> MemoryBreakdown:
     census = _StorageCensus()
     model = opt.model
     model_params = list(model.parameters()) if model is not None else []
-    params = census.count([f.data for f in opt.flats] + model_params)
+    # Stage 3 holds shards; full buffers of gathered units are transient.
+    params = census.count([f.data if f.replicated else f.shard for f in opt.flats])
     master = census.count(m.data for m in opt.masters)
+    params += census.count(p for p in model_params if p.untyped_storage().nbytes() and not _in_flats(p, opt))
     persistent = [b.full if b.keep_full else b.shard for b in opt.buckets]
-    other_grads = [p.grad for p in model_params if not any(p is q for f in opt.flats for q in f.params)]
+    other_grads = [p.grad for p in model_params if not _in_flats(p, opt)]
     grads = census.count(persistent + other_grads)
     state = census.count(_state_tensors(opt))
     transient = census.count(
-        [b.shard if b.keep_full else b.full for b in opt.buckets] + [p.grad for p in model_params]
+        [b.shard if b.keep_full else b.full for b in opt.buckets]
+        + [p.grad for p in model_params]
+        + [f.data for f in opt.flats if not f.replicated]
     )
     return MemoryBreakdown(params=params, grads=grads, master=master, optimizer_state=state, transient=transient)
 

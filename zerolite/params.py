@@ -24,7 +24,7 @@ from zerolite.grad_reducer import GradReducer
 __all__ = ["guard_conversions", "install_no_sync"]
 
 
-def guard_conversions(model: nn.Module, managed: set[int]) -> None:
+def guard_conversions(model: nn.Module, managed: dict[int, tuple[torch.dtype, torch.device]]) -> None:
     """Refuse conversions that would give a managed parameter new storage.
 
     Every module with a managed parameter in its subtree is guarded, and each guard
@@ -33,14 +33,15 @@ def guard_conversions(model: nn.Module, managed: set[int]) -> None:
 
     Args:
         model: the sharded model (changed in place).
-        managed: ``id()`` of every parameter living in a flat buffer.
+        managed: ``id()`` of every parameter living in a flat buffer -> its buffer's
+            dtype and device (in stage 3 the parameter itself may be a meta placeholder).
     """
     for module in model.modules():
         if any(id(p) in managed for p in module.parameters()):
             _guard(module, managed)
 
 
-def _guard(module: nn.Module, managed: set[int]) -> None:
+def _guard(module: nn.Module, managed: dict[int, tuple[torch.dtype, torch.device]]) -> None:
     original = module._apply
 
     def _apply(self: nn.Module, fn: Callable[[torch.Tensor], torch.Tensor], *args: Any, **kwargs: Any) -> nn.Module:
@@ -50,12 +51,13 @@ def _guard(module: nn.Module, managed: set[int]) -> None:
         for name, p in self.named_parameters():
             if id(p) not in managed:
                 continue
-            probe = torch.empty(0, dtype=p.dtype, device=p.device)
+            dtype, device = managed[id(p)]
+            probe = torch.empty(0, dtype=dtype, device=device)
             out = fn(probe)
             if out is not probe:
                 raise RuntimeError(
                     f"parameter {name!r} of {type(self).__name__} is sharded by zerolite and cannot be "
-                    f"converted after zerolite.shard() (it is {p.dtype} on {p.device}; the conversion "
+                    f"converted after zerolite.shard() (it is {dtype} on {device}; the conversion "
                     f"gives {out.dtype} on {out.device} in new storage, detaching it from zerolite's flat "
                     "buffers). Move or cast the model before shard(), or choose the compute dtype with "
                     "ZeroConfig(param_dtype=...). Nothing was converted."

@@ -2,22 +2,20 @@
 
 Design: :func:`run_ranks` starts one process per rank with the ``forkserver`` start method. The
 forkserver starts once per interpreter with ``torch``, ``torch.distributed`` and
-``torch.distributed.tensor`` preloaded, so a launch costs a ``fork()`` of that warm process plus
-importing the module that defines ``fn`` (~0.1-0.3 s), not a fresh interpreter importing torch
-(seconds). Ranks are forked from the single-threaded forkserver, not from the caller, so they
-inherit none of the caller's threads, locks or file descriptors. The forkserver's environment is
-frozen when it starts, so each rank gets a snapshot of the caller's ``os.environ`` taken at call
-time (variables torch reads at import time are still the forkserver's).
+``torch.distributed.tensor`` preloaded, so a launch costs a ``fork()`` of that warm,
+single-threaded process plus importing ``fn``'s module (~0.1-0.3 s), not an interpreter start
+and torch import (seconds). Its environment and fds 1/2 are frozen when it starts, so each rank
+gets the caller's current ``os.environ`` and stdout/stderr (variables torch reads at import time
+stay the forkserver's). Ranks rendezvous through a fresh ``FileStore`` in a private temporary
+directory (no TCP port to pick) with gloo pinned to loopback.
 
-Ranks rendezvous through a fresh ``FileStore`` in a private temporary directory (no TCP port to
-pick, no collisions between launches) and gloo is pinned to loopback when one exists. Each rank
-owns a one-way pipe and sends exactly one message: its return value serialised with plain
+Each rank sends exactly one message through its own pipe: the return value serialised with plain
 :func:`pickle.dumps` (tensors travel as bytes, not via ``multiprocessing``'s shared-memory
-reducers), or its formatted traceback. The parent multiplexes pipes and process sentinels with
-:func:`multiprocessing.connection.wait`, so it reacts at once to a rank that raises, one that dies
-without reporting (segfault, SIGKILL, ``os._exit``) and the deadline. After a rank raises, the
-others get a short grace period to report their own errors (a peer blocked in a collective usually
-fails as soon as the failed rank's sockets close); then whatever is alive is SIGKILLed and
+reducers) or its formatted traceback. The parent waits on pipes and process sentinels together
+(:func:`multiprocessing.connection.wait`), so it reacts at once to a rank that raises, one that
+dies without reporting (SIGKILL, segfault, ``os._exit``) and the deadline. After a rank raises,
+the others get a short grace period to report their own errors (a peer blocked in a collective
+usually fails once the failed rank's sockets close); then whatever is alive is SIGKILLed and
 joined, so no rank outlives the call.
 """
 
@@ -33,6 +31,7 @@ import time
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
+from multiprocessing import reduction
 from multiprocessing.connection import Connection, wait
 from typing import Any, TypeVar
 
@@ -65,9 +64,31 @@ class RankTimeout(RankFailure):
     """Not every rank finished within the ``timeout`` given to :func:`run_ranks`."""
 
 
+class _CallerStdio:
+    """Pickles (only while a process starts) as duplicates of the caller's current fds 1, 2.
+
+    Ranks would otherwise write wherever fds 1 and 2 pointed when the forkserver started: under
+    pytest possibly an earlier test's ``capfd`` file, where their output is silently lost.
+    """
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        try:
+            os.fstat(1), os.fstat(2)
+        except OSError:  # the caller has no stdout/stderr to share: keep the forkserver's
+            return list, ()
+        return _detach, (reduction.DupFd(1), reduction.DupFd(2))
+
+
+def _detach(*fds: Any) -> list[int]:
+    return [fd.detach() for fd in fds]
+
+
 def _rank_main(job: bytes, rank: int, world_size: int, store_path: str, timeout: float,
-               backend: str, env: dict[str, str], conn: Connection) -> None:
+               backend: str, env: dict[str, str], stdio: list[int], conn: Connection) -> None:
     """Body of one rank process: join the group, run ``fn`` and send one message back."""
+    for target, fd in enumerate(stdio, start=1):
+        os.dup2(fd, target)
+        os.close(fd)
     os.environ.clear()
     os.environ.update(env)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
@@ -80,26 +101,24 @@ def _rank_main(job: bytes, rank: int, world_size: int, store_path: str, timeout:
 
         torch.set_num_threads(1)
         fn, args = pickle.loads(job)
-        store = dist.FileStore(store_path, world_size)
+        store = dist.FileStore(store_path, world_size)  # type: ignore[attr-defined]
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=timeout))
         message: tuple[str, Any] = ("ok", pickle.dumps(fn(*args), pickle.HIGHEST_PROTOCOL))
-    except BaseException:  # noqa: BLE001 - SystemExit/KeyboardInterrupt are failures too
+    except BaseException:  # noqa: BLE001 - SystemExit/KeyboardInterrupt in fn fail it too
         message = ("err", traceback.format_exc())
     conn.send_bytes(pickle.dumps(message))  # report first: a rank waiting below is not hung
     conn.close()
     if message[0] == "ok":
-        try:
-            # No rank may tear the group down while a peer still uses it: without this barrier
-            # a rank whose fn returns at once can close its sockets while gloo on a slower peer
-            # is still connecting ("connectFullMesh failed ... Connection closed by peer").
+        try:  # no rank may tear the group down while a peer still uses it, e.g. is still
+            # connecting ("connectFullMesh failed ... Connection closed by peer") or receiving
             dist.barrier()
             dist.destroy_process_group()
             return
-        except Exception:  # a peer failed and reports it itself; nothing to add
+        except Exception:  # noqa: BLE001, S110 - a peer failed and reports that itself
             pass
-    # Leave at once: a normal interpreter exit may block tearing down a group whose peers are
-    # mid-collective, and closing our sockets lets those peers fail fast.
+    # Leave at once: a normal exit may block tearing down a group whose peers are mid-collective,
+    # and closing our sockets lets those peers fail fast.
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(1)
@@ -112,7 +131,7 @@ def _pickle_job(fn: Callable[..., Any], args: tuple[Any, ...]) -> bytes:
         if "<lambda>" in name or "<locals>" in name:
             raise TypeError("it is a lambda or local function")
         pickle.dumps(fn)
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - pickling raises many types
         raise TypeError(f"run_ranks needs fn picklable by reference and {name!r} is not ({exc}); "
                         "define it at module level") from None
     try:
@@ -172,6 +191,7 @@ def run_ranks(fn: Callable[..., _T], world_size: int, *args: Any, timeout: float
     ctx.set_forkserver_preload(_PRELOAD)  # only takes effect before the forkserver starts
     tmpdir = tempfile.mkdtemp(prefix="zerolite-ranks-")
     env = dict(os.environ)
+    stdio = _CallerStdio()
     procs: list[Any] = []
     readers: list[Connection] = []
     try:
@@ -180,7 +200,7 @@ def run_ranks(fn: Callable[..., _T], world_size: int, *args: Any, timeout: float
             readers.append(reader)
             proc = ctx.Process(target=_rank_main, name=f"zerolite-rank-{rank}",
                                args=(job, rank, world_size, os.path.join(tmpdir, "store"),
-                                     timeout, backend, env, writer))
+                                     timeout, backend, env, stdio, writer))
             proc.start()
             writer.close()
             procs.append(proc)
@@ -197,11 +217,11 @@ def _collect(fn: Callable[..., Any], procs: list[Any], readers: list[Connection]
              deadline: float, timeout: float) -> list[Any]:
     """Wait for every rank's message, reacting to failures, deaths and the deadline."""
     n = len(procs)
-    results: dict[int, bytes] = {}
+    results: dict[int, Any] = {}
     failures: dict[int, str] = {}
     first: int | None = None  # first rank to fail
     grace_end = float("inf")
-    open_readers = dict(zip(readers, range(n)))
+    open_readers = {reader: rank for rank, reader in enumerate(readers)}
     live = {proc.sentinel: rank for rank, proc in enumerate(procs)}
 
     def receive(reader: Connection, rank: int) -> None:
@@ -209,11 +229,13 @@ def _collect(fn: Callable[..., Any], procs: list[Any], readers: list[Connection]
         del open_readers[reader]
         try:
             status, payload = pickle.loads(reader.recv_bytes())
+            if status == "ok":
+                results[rank] = pickle.loads(payload)
+                return
         except EOFError:
             return  # died without reporting; its sentinel tells how
-        if status == "ok":
-            results[rank] = payload
-            return
+        except Exception as exc:  # noqa: BLE001 - e.g. a class the parent cannot import
+            payload = f"its return value could not be unpickled in the parent: {exc!r}"
         failures[rank] = payload
         if first is None:
             first, grace_end = rank, time.monotonic() + _GRACE_S
@@ -254,15 +276,7 @@ def _collect(fn: Callable[..., Any], procs: list[Any], readers: list[Connection]
     end = min(time.monotonic() + _GRACE_S, deadline)
     for proc in procs:
         proc.join(max(0.0, end - time.monotonic()))
-    out: list[Any] = []
-    for rank in range(n):
-        try:
-            out.append(pickle.loads(results[rank]))
-        except Exception as exc:
-            failures[rank] = f"return value could not be unpickled in the parent: {exc!r}"
-    if failures:
-        raise RankFailure(_message(fn, n, failures, "results could not be unpickled"), failures)
-    return out
+    return [results[rank] for rank in range(n)]
 
 
 def _message(fn: Callable[..., Any], n: int, failures: dict[int, str], summary: str) -> str:

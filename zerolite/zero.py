@@ -34,12 +34,15 @@ from zerolite.optim.contract import check_optimizer
 from zerolite.optim.master import MasterShard
 from zerolite.optim.sharded_optimizer import ShardedOptimizer
 from zerolite.params import guard_conversions, install_no_sync
+from zerolite.unit_scheduler import UnitScheduler
+from zerolite.units import Unit, find_units
 
 __all__ = ["shard"]
 
 logger = logging.getLogger(__name__)
 
 _SHARDED_ATTR = "_zerolite_sharded"
+UNITS_ATTR = "_zerolite_units"  # stage 3: the model's UnitScheduler (None in stages 1-2)
 
 
 @dataclasses.dataclass
@@ -50,6 +53,7 @@ class _Plan:
     buckets: list[list[tuple[str, nn.Parameter]]]  # per flat buffer: (name, param), buffer order
     group_of: dict[int, int]  # id(param) -> index of its optimizer param group
     frozen: list[tuple[int, nn.Parameter]]  # (group index, param) held by the optimizer, not trainable
+    units: list[Unit] | None = None  # stage 3: the units, root last
 
     def describe(self, config: ZeroConfig, optimizer: torch.optim.Optimizer) -> list[str]:
         lines = [
@@ -65,6 +69,8 @@ class _Plan:
             lines.append(f"param {name}: shape={tuple(p.shape)} group={self.group_of[id(p)]}")
         for b, bucket in enumerate(self.buckets):
             lines.append(f"buffer {b}: params {[n for n, _ in bucket]}")
+        for unit in self.units or []:
+            lines.append(f"unit {unit.name!r}: {type(unit.module).__name__}")
         return lines
 
 
@@ -133,7 +139,7 @@ def _plan(model: nn.Module, optimizer: torch.optim.Optimizer, config: ZeroConfig
     if config.stage == 0:
         raise ValueError(
             "ZeroConfig.stage=0 means plain DDP and is only meaningful to the memory estimator; "
-            "shard() accepts stage 1 or 2"
+            "shard() accepts stages 1, 2 and 3"
         )
     names = {id(p): n for n, p in model.named_parameters()}
     group_of: dict[int, int] = {}
@@ -168,6 +174,13 @@ def _plan(model: nn.Module, optimizer: torch.optim.Optimizer, config: ZeroConfig
             "before shard()"
         )
     device = config.device if config.device is not None else devices.pop()
+    if config.stage == 3:
+        # One flat buffer per unit, in the order backward completes them: the blocks in
+        # reverse, then the root (its embedding's gradient is the last to arrive).
+        units = find_units(model, {id(p): n for n, p in managed}, config.unit_modules)
+        ordered_units = [*reversed(units[:-1]), units[-1]]
+        buckets = [u.params for u in ordered_units if u.params]
+        return _Plan(device=device, buckets=buckets, group_of=group_of, frozen=frozen, units=units)
     itemsize = torch.empty(0, dtype=config.param_dtype).element_size()
     ordered = list(reversed(managed))  # roughly the order in which backward yields gradients
     runs = bucket_partition([p.numel() * itemsize for _, p in ordered], config.bucket_bytes)
@@ -199,6 +212,9 @@ def _build(
         flats.append(flat)
     for buf in model.buffers():
         broadcast(buf.data, 0, group)
+    if config.stage == 3:
+        for flat in flats:
+            flat.shard_only()
     masters = [MasterShard(flat) for flat in flats]
     _repoint_optimizer(optimizer, plan, flats, masters)
     for flat in flats:
@@ -216,9 +232,13 @@ def _build(
     ]
     reducer = GradReducer(buckets, group)
     grads = KeepFullGrads(reducer) if config.stage == 1 else ShardGradsInBackward(reducer)
-    guard_conversions(model, {id(p) for flat in flats for p in flat.params})
+    scheduler = None
+    if plan.units is not None and isinstance(grads, ShardGradsInBackward):
+        scheduler = _schedule_units(plan.units, flats, group, config, grads)
+    guard_conversions(model, {id(p): (flat.data.dtype, flat.data.device) for flat in flats for p in flat.params})
     install_no_sync(model, reducer)
     setattr(model, _SHARDED_ATTR, True)
+    setattr(model, UNITS_ATTR, scheduler)
     sharded = ShardedOptimizer(
         optimizer,
         config=config,
@@ -237,6 +257,26 @@ def _build(
             config.stage, sum(len(f.params) for f in flats), numel, len(flats), group.size,
         )
     return sharded
+
+
+@torch.no_grad()
+def _schedule_units(
+    units: list[Unit], flats: list[FlatParamBuffer], group: Group, config: ZeroConfig, grads: ShardGradsInBackward
+) -> UnitScheduler:
+    """Stage 3: unshard/reshard hooks, freed units when their gradients are in."""
+    flat_of = {id(flat.params[0]): flat for flat in flats}
+    unit_flats = [flat_of.get(id(u.params[0][1])) if u.params else None for u in units]
+    scheduler = UnitScheduler(
+        [u.module for u in units],
+        unit_flats,
+        group,
+        prefetch=config.prefetch,
+        reshard_after_forward=config.reshard_after_forward,
+    )
+    unit_of_bucket = {flat.index: i for i, flat in enumerate(unit_flats) if flat is not None}
+    grads.on_bucket_complete = lambda b: scheduler.on_unit_gradients_ready(unit_of_bucket[b])
+    grads.on_backward_end = scheduler.on_backward_end
+    return scheduler
 
 
 @torch.no_grad()

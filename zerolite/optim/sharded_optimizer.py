@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from zerolite.bucket import GradBucket
-from zerolite.collectives import Group, all_gather_inplace
+from zerolite.collectives import Group
 from zerolite.config import ZeroConfig
 from zerolite.flat_buffer import FlatParamBuffer
 from zerolite.grad_reducer import GradReducer
@@ -175,7 +175,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
             self.optimizer.step()
             master.clear_grads()
             master.write_back()
-            gathers.append(all_gather_inplace(master.flat.data, self.group, tag=b))
+            if master.flat.replicated:  # stage 3 keeps parameters sharded: nothing to gather
+                gathers.append(master.flat.all_gather(self.group))
         for gather in gathers:
             gather.wait()
 

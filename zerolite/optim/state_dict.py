@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from zerolite.collectives import all_gather_inplace
 from zerolite.consensus import agree
 
 if TYPE_CHECKING:
@@ -85,7 +84,7 @@ def load_sharded_state_dict(opt: ShardedOptimizer, state_dict: dict[str, Any]) -
     for master, saved in zip(opt.masters, meta["masters"]):
         master.data.copy_(saved)
         master.write_back()
-    gathers = [all_gather_inplace(m.flat.data, opt.group, tag=b) for b, m in enumerate(opt.masters)]
+    gathers = [m.flat.all_gather(opt.group) for m in opt.masters if m.flat.replicated]
     for gather in gathers:
         gather.wait()
     if opt.loss_scaler is not None:

@@ -1,0 +1,209 @@
+"""Step time of zerolite against DDP and PyTorch's ZeRO-1, side by side.
+
+Fixed configuration (stated here and in the README):
+    GPT: 6 layers, d_model 384, 6 heads, vocab 8192, seq 128 (tied head)
+    micro-batch 4 per rank, AdamW(lr 3e-4, weight_decay 0.1), 2 ranks, 1 thread per rank
+    per launch: 3 warm-up + 10 timed steps; systems interleaved in rounds (>= 5)
+Systems, in fp32 and bf16 (torch's peers use CPU autocast for bf16; zerolite keeps bf16
+parameters with fp32 master shards):
+    ddp      DistributedDataParallel + AdamW
+    zero1    DDP + torch.distributed.optim.ZeroRedundancyOptimizer(AdamW)
+    zl1/zl2  zerolite.shard stage 1 / 2
+
+Per system it prints the median step time, its ratio to DDP's median in the same round
+(mean and spread over rounds), tokens/s, model-state bytes per rank and their ratio to
+`zerolite.memory.formula`, transient bytes, and logical elements per collective kind per
+step, counted by a pass-through spy on torch.distributed in a separate counting step.
+
+    python benchmarks/step_time.py [--rounds 5] [--dtypes fp32,bf16] [--device cuda]
+
+With ``--device cuda`` every system runs on the GPU with NCCL (one lent GPU allows
+world size 1 only: ``--world-size 1``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import statistics
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import zerolite  # noqa: E402
+from examples.gpt import GPT, GPTConfig, param_groups, random_batch  # noqa: E402
+from zerolite.memory import footprint, formula  # noqa: E402
+from zerolite.testing import run_ranks  # noqa: E402
+
+CFG = GPTConfig(vocab_size=8192, seq_len=128, n_layer=6, n_head=6, d_model=384)
+MICRO_BATCH = 4
+WARMUP, TIMED = 3, 10
+SYSTEMS = ("ddp", "zero1", "zl1", "zl2")
+STAGE = {"ddp": 0, "zero1": 1, "zl1": 1, "zl2": 2}
+SPIED = ("isend", "irecv", "all_reduce", "broadcast", "all_gather", "reduce_scatter_single",
+         "all_gather_single", "reduce_scatter_tensor", "all_gather_into_tensor")
+
+
+class CommSpy:
+    """Pass-through wrappers on torch.distributed functions counting elements per call kind."""
+
+    def __init__(self) -> None:
+        self.elements: dict[str, int] = defaultdict(int)
+        self._saved: dict[str, object] = {}
+
+    def __enter__(self) -> CommSpy:
+        for name in SPIED:
+            original = getattr(dist, name)
+            self._saved[name] = original
+
+            def spy(*args, _original=original, _name=name, **kwargs):
+                tensor = args[0] if args else next(iter(kwargs.values()))
+                if isinstance(tensor, torch.Tensor):
+                    self.elements[_name] += tensor.numel()
+                return _original(*args, **kwargs)
+
+            setattr(dist, name, spy)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for name, original in self._saved.items():
+            setattr(dist, name, original)
+
+
+def _census(tensors) -> int:
+    seen, total = set(), 0
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in seen:
+            seen.add(t.untyped_storage().data_ptr())
+            total += t.untyped_storage().nbytes()
+    return total
+
+
+def _build(system: str, dtype: str, device: torch.device):
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.nn.parallel import DistributedDataParallel
+
+    torch.manual_seed(0)
+    model = GPT(CFG).to(device)
+    groups = param_groups(model, weight_decay=0.1)
+    autocast = contextlib.nullcontext
+    if system.startswith("zl"):
+        cfg = zerolite.ZeroConfig(stage=STAGE[system], param_dtype=torch.bfloat16 if dtype == "bf16" else torch.float32)
+        opt = zerolite.shard(model, torch.optim.AdamW(groups, lr=3e-4), cfg)
+        return model, model, opt, autocast, lambda: footprint(opt)
+    ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    if dtype == "bf16":
+        def autocast():
+            return torch.autocast(device.type, dtype=torch.bfloat16)
+    if system == "ddp":
+        opt = torch.optim.AdamW(groups, lr=3e-4)
+    else:
+        opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=3e-4, weight_decay=0.1)
+
+    def measure():
+        state = [v for s in opt.state.values() for v in s.values()] if system == "ddp" else [
+            v for s in opt.optim.state.values() for v in s.values()]
+        params = _census(model.parameters())
+        grads = _census(p.grad for p in model.parameters())
+        return zerolite.memory.MemoryBreakdown(params=params, grads=grads, optimizer_state=_census(state))
+
+    ddp._zerolite_bench_hook = allreduce_hook  # registered only for the counting step
+    return model, ddp, opt, autocast, measure
+
+
+def _one_step(module, opt, autocast, x, y, after_step=None):
+    with autocast():
+        loss = module(x, y)
+    loss.backward()
+    opt.step()
+    if after_step is not None:
+        after_step()  # gradients still held: DDP's count as model states
+    opt.zero_grad(set_to_none=True)
+    return loss
+
+
+def _run_system(system: str, dtype: str, device_name: str) -> dict:
+    torch.set_num_threads(1)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device(device_name, rank) if device_name == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    model, module, opt, autocast, measure = _build(system, dtype, device)
+    batches = [random_batch(CFG, MICRO_BATCH * world, seed=s) for s in range(WARMUP + TIMED + 1)]
+    batches = [(x[rank::world].to(device), y[rank::world].to(device)) for x, y in batches]
+    times = []
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    for i, (x, y) in enumerate(batches[:-1]):
+        dist.barrier()
+        sync()
+        start = time.perf_counter()
+        _one_step(module, opt, autocast, x, y)
+        sync()
+        if i >= WARMUP:
+            times.append(time.perf_counter() - start)
+    # Counting step: a pass-through spy, DDP's all-reduce made visible through its Python hook.
+    if system in ("ddp", "zero1"):
+        module.register_comm_hook(None, module._zerolite_bench_hook)
+    measured = []
+    with CommSpy() as spy:
+        _one_step(module, opt, autocast, *batches[-1], after_step=lambda: measured.append(measure()))
+    mem = measured[0]
+    return {"times": times, "elements": dict(spy.elements), "memory": mem,
+            "numel": sum(p.numel() for p in model.parameters())}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--dtypes", default="fp32,bf16")
+    parser.add_argument("--systems", default=",".join(SYSTEMS))
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    parser.add_argument("--world-size", type=int, default=2)
+    args = parser.parse_args()
+    backend = "nccl" if args.device == "cuda" else "gloo"
+    systems = args.systems.split(",")
+    results: dict[tuple[str, str], list[dict]] = defaultdict(list)
+    ratios: dict[tuple[str, str], list[float]] = defaultdict(list)
+    for r in range(args.rounds):
+        for dtype in args.dtypes.split(","):
+            # Rotate the order each round so that drift does not favour one system.
+            order = systems[r % len(systems):] + systems[: r % len(systems)]
+            medians = {}
+            for system in order:
+                ranks = run_ranks(_run_system, args.world_size, system, dtype, args.device, timeout=600, backend=backend)
+                result = ranks[0]
+                medians[system] = statistics.median(max(rr["times"][i] for rr in ranks) for i in range(TIMED))
+                results[(system, dtype)].append(result)
+            for system in systems:
+                ratios[(system, dtype)].append(medians[system] / medians["ddp"])
+        print(f"round {r + 1}/{args.rounds} done", flush=True)
+    tokens = MICRO_BATCH * CFG.seq_len * args.world_size
+    print(f"\n{CFG}, micro-batch {MICRO_BATCH}/rank, {args.world_size} ranks, {args.device}, "
+          f"{args.rounds} rounds x {TIMED} timed steps")
+    header = (f"{'system':7s} {'dtype':5s} {'median ms':>9s} {'x DDP':>6s} {'spread':>13s} {'tok/s':>7s} "
+              f"{'states MB':>9s} {'/formula':>8s} {'trans MB':>8s}  elements per step by call")
+    print(header)
+    for dtype in args.dtypes.split(","):
+        for system in systems:
+            runs = results[(system, dtype)]
+            med = statistics.median(t for run in runs for t in run["times"])
+            rs = ratios[(system, dtype)]
+            mem = runs[-1]["memory"]
+            ref = formula(runs[-1]["numel"], world_size=args.world_size, stage=STAGE[system],
+                          param_dtype=torch.bfloat16 if dtype == "bf16" and system.startswith("zl") else torch.float32)
+            elements = ", ".join(f"{k}={v / 1e6:.2f}M" for k, v in sorted(runs[-1]["elements"].items()))
+            print(f"{system:7s} {dtype:5s} {med * 1e3:9.1f} {statistics.mean(rs):6.3f} "
+                  f"{min(rs):6.3f}-{max(rs):6.3f} {tokens / med:7.0f} {mem.model_states / 1e6:9.1f} "
+                  f"{mem.model_states / ref.model_states:8.3f} {mem.transient / 1e6:8.1f}  {elements}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,73 @@
+"""Stage 3 units: which parameters are gathered together, and by which module.
+
+A unit is a module whose managed parameters share one flat buffer and are
+all-gathered just before the module runs. By default every element of every
+``nn.ModuleList`` is a unit (a transformer's blocks); ``ZeroConfig.unit_modules``
+chooses other modules. The root module is always a unit and holds every managed
+parameter that no other unit holds (embeddings, final norm, head). A parameter inside
+nested units belongs to the innermost one; a parameter reachable from two units (tied
+weights) belongs to the first unit, in registration order, that reaches it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+from torch import nn
+
+__all__ = ["Unit", "find_units"]
+
+
+@dataclasses.dataclass
+class Unit:
+    """One unit: its module, qualified name (``""`` for the root) and managed parameters."""
+
+    name: str
+    module: nn.Module
+    params: list[tuple[str, nn.Parameter]]
+
+
+def _is_unit_factory(
+    model: nn.Module, unit_modules: tuple[type[nn.Module], ...] | Callable[[nn.Module], bool] | None
+) -> Callable[[nn.Module], bool]:
+    if unit_modules is None:
+        in_lists = {id(child) for m in model.modules() if isinstance(m, nn.ModuleList) for child in m}
+        return lambda module: id(module) in in_lists
+    if isinstance(unit_modules, tuple):
+        classes = unit_modules
+        return lambda module: isinstance(module, classes)
+    return unit_modules
+
+
+def find_units(
+    model: nn.Module,
+    managed: dict[int, str],
+    unit_modules: tuple[type[nn.Module], ...] | Callable[[nn.Module], bool] | None,
+) -> list[Unit]:
+    """The units of ``model``: non-root units in registration order, then the root.
+
+    Args:
+        model: the model to shard.
+        managed: ``id(param) -> name`` of the parameters to shard.
+        unit_modules: ``ZeroConfig.unit_modules``.
+    Returns:
+        Units with at least one managed parameter (the root always comes last, even if empty).
+    """
+    is_unit = _is_unit_factory(model, unit_modules)
+    names = [name for name, module in model.named_modules() if name and is_unit(module)]
+    modules = dict(model.named_modules())
+    owner: dict[int, str] = {}
+    for module_name, module in model.named_modules(remove_duplicate=False):
+        enclosing = [u for u in names if module_name == u or module_name.startswith(u + ".")]
+        unit_name = max(enclosing, key=len) if enclosing else ""
+        for p in module.parameters(recurse=False):
+            if id(p) in managed and id(p) not in owner:
+                owner[id(p)] = unit_name
+    params_of: dict[str, list[tuple[str, nn.Parameter]]] = {u: [] for u in [*names, ""]}
+    for name, p in model.named_parameters():
+        if id(p) in owner:
+            params_of[owner[id(p)]].append((name, p))
+    units = [Unit(u, modules[u], params_of[u]) for u in names if params_of[u]]
+    units.append(Unit("", model, params_of[""]))
+    return units
