@@ -1,7 +1,8 @@
 """The ``zerolite`` command (also ``python -m zerolite``).
 
-Each subcommand lives in the module of the feature it exposes and registers itself
-here through `_SUBCOMMANDS`: ``add_arguments(parser)`` and ``run(args) -> int``.
+Each subcommand lives in the module of the feature it exposes, registered here in
+`_SUBCOMMANDS`; that module defines ``add_NAME_arguments(parser)`` and
+``run_NAME(args) -> int`` (the exit code).
 """
 
 from __future__ import annotations
@@ -14,7 +15,11 @@ from collections.abc import Sequence
 from zerolite._version import __version__
 
 # name -> (module providing add_arguments/run, one-line help)
-_SUBCOMMANDS: dict[str, tuple[str, str]] = {}
+_SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "consolidate": ("zerolite.checkpoint.commands", "write a checkpoint as one plain safetensors file"),
+    "verify": ("zerolite.checkpoint.commands", "check every shard file's size and sha256"),
+    "inspect": ("zerolite.checkpoint.commands", "summarise a checkpoint (world size, stage, step, ...)"),
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -23,7 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module, help_text) in _SUBCOMMANDS.items():
         command = sub.add_parser(name, help=help_text, description=help_text)
-        importlib.import_module(module).add_arguments(command)
+        getattr(importlib.import_module(module), f"add_{name}_arguments")(command)
     return parser
 
 
@@ -35,7 +40,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 0
     module, _ = _SUBCOMMANDS[args.command]
-    return int(importlib.import_module(module).run(args))
+    return int(getattr(importlib.import_module(module), f"run_{args.command}")(args))
 
 
 if __name__ == "__main__":

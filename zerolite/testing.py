@@ -176,12 +176,15 @@ def run_ranks(fn: Callable[..., _T], world_size: int, *args: Any, timeout: float
         RankTimeout: Some ranks had not finished after ``timeout`` seconds; they are named.
 
     Example:
-        >>> def total(x):  # defined at module level
-        ...     t = torch.tensor([x])
-        ...     dist.all_reduce(t)
-        ...     return t.item()
-        >>> run_ranks(total, 2, 1.0)
-        [2.0, 2.0]
+        In a test module (``fn`` is imported by every rank, so it lives at module level)::
+
+            def total(x: float) -> float:
+                t = torch.tensor([x])
+                dist.all_reduce(t)
+                return t.item()
+
+            def test_total() -> None:
+                assert run_ranks(total, 2, 1.5) == [3.0, 3.0]
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")

@@ -1,1 +1,17 @@
-"""Sharded safetensors checkpoints (see DESIGN §5); the API lands with the checkpoint issue."""
+"""Sharded safetensors checkpoints: complete, topology-agnostic, atomic, verified.
+
+- `save(path, model, optimizer, *, schedulers=(), extra=None, overwrite=False)`
+- `load(path, model, optimizer, *, schedulers=())` -> extra, at any world size or stage
+- `latest(root)` -> the newest complete checkpoint under ``root``
+- `consolidate(path, out_file, dtype=None)` -> one plain safetensors file
+- `verify(path)`, `inspect(path)`
+
+The format is described in `zerolite.checkpoint.format`.
+"""
+
+from zerolite.checkpoint.consolidate import consolidate, inspect, verify
+from zerolite.checkpoint.format import CheckpointError
+from zerolite.checkpoint.load import load
+from zerolite.checkpoint.save import latest, save
+
+__all__ = ["CheckpointError", "consolidate", "inspect", "latest", "load", "save", "verify"]

@@ -1,0 +1,186 @@
+"""`consolidate`, `verify` and `inspect`: offline tools on a checkpoint directory.
+
+`consolidate` writes one plain safetensors file whose names and shapes are those of the
+unsharded ``model.state_dict()``. safetensors has no streaming writer (``save_file``
+needs every tensor alive at once), so zerolite writes the format itself -- an 8-byte
+little-endian header length, the JSON header, then raw little-endian data -- one
+parameter at a time, and checks the result with ``safe_open``. A tied parameter is
+stored once, under its first name, and its other names are recorded in the header's
+``__metadata__["aliases"]`` (safetensors refuses shared storage). Each read reopens the
+source file, since an open ``safe_open`` handle keeps its pages mapped (DESIGN §5).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from zerolite.checkpoint.format import (
+    CheckpointError,
+    dtype_from_name,
+    file_digest,
+    master_key,
+    model_key,
+    read_index,
+)
+
+__all__ = ["consolidate", "verify", "inspect", "dtype_arg"]
+
+_SAFETENSORS_DTYPE = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+
+
+def verify(path: str | os.PathLike) -> dict[str, Any]:
+    """Check that every shard file exists with the size and sha256 the index records.
+
+    Single process; no communication. Returns the index.
+
+    Raises:
+        zerolite.checkpoint.CheckpointError: naming the first bad file.
+    """
+    path = Path(path)
+    index = read_index(path)
+    for entry in index["files"]:
+        file = path / entry["file"]
+        if not file.is_file():
+            raise CheckpointError(f"{file}: missing shard file (rank {entry['rank']} of the save)")
+        size, sha = file_digest(file)
+        if size != entry["bytes"]:
+            raise CheckpointError(f"{file}: {size} bytes, the index says {entry['bytes']} (truncated or replaced)")
+        if sha != entry["sha256"]:
+            raise CheckpointError(f"{file}: sha256 mismatch (corrupt)")
+    return index
+
+
+def inspect(path: str | os.PathLike) -> dict[str, Any]:
+    """A summary: world size, stage, step, dtype, optimizer, parameter count, bytes per file."""
+    index = read_index(path)
+    return {
+        "world_size": index["world_size"],
+        "stage": index["stage"],
+        "step": index["step"],
+        "param_dtype": index["param_dtype"],
+        "optimizer": index["optimizer"]["class"],
+        "parameters": sum(_numel(p["shape"]) for p in index["params"]),
+        "files": {e["file"]: e["bytes"] for e in index["files"]},
+    }
+
+
+def _numel(shape: list[int]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _entries(path: Path, index: dict[str, Any], dtype: torch.dtype | None) -> list[tuple[str, list[int], torch.dtype, str]]:
+    """(name, shape, output dtype, kind) in state-dict order; kind is 'param' or 'model'."""
+    out = []
+    params = {p["name"]: p for p in index["params"]}
+    with safe_open(path / index["files"][0]["file"], framework="pt") as f:
+        model_shapes = {k[len("model/"):]: (f.get_slice(k).get_shape(), f.get_slice(k).get_dtype())
+                        for k in f.keys() if k.startswith("model/")}
+    aliases = {a for p in index["params"] for a in p["aliases"]}
+    for name in index["state_dict_keys"]:
+        if name in aliases:
+            continue
+        if name in params:
+            out.append((name, params[name]["shape"], dtype or torch.float32, "param"))
+        elif name in model_shapes:
+            shape, saved = model_shapes[name]
+            saved_dtype = _from_safetensors(saved)
+            cast = dtype if dtype is not None and saved_dtype.is_floating_point else saved_dtype
+            out.append((name, list(shape), cast, "model"))
+        else:
+            raise CheckpointError(f"{path}: no tensor for state-dict entry {name!r}")
+    return out
+
+
+def _from_safetensors(code: str) -> torch.dtype:
+    for dtype, c in _SAFETENSORS_DTYPE.items():
+        if c == code:
+            return dtype
+    raise CheckpointError(f"unsupported safetensors dtype {code}")
+
+
+def _read_param(path: Path, index: dict[str, Any], name: str, numel: int) -> torch.Tensor:
+    full = torch.empty(numel, dtype=torch.float32)
+    covered = 0
+    ranges = sorted((s, e, entry["file"]) for entry in index["files"] for n, s, e in entry["pieces"] if n == name)
+    for s, e, file in ranges:
+        with safe_open(path / file, framework="pt") as f:
+            full[s:e] = f.get_slice(master_key(name, s, e))[:]
+        covered += e - s
+    if covered != numel:
+        raise CheckpointError(f"parameter {name!r}: the shard files cover {covered} of {numel} elements")
+    return full
+
+
+def consolidate(path: str | os.PathLike, out_file: str | os.PathLike, dtype: torch.dtype | None = None) -> Path:
+    """Write checkpoint ``path`` as one safetensors file matching the unsharded state dict.
+
+    Single process; peak memory about one parameter. Verifies the checkpoint first.
+
+    Args:
+        path: checkpoint directory.
+        out_file: the ``.safetensors`` file to write (replaced atomically).
+        dtype: dtype of parameters (and floating buffers); None keeps the fp32 masters.
+    Returns:
+        ``out_file`` as a `Path`.
+    """
+    path, out_file = Path(path), Path(out_file)
+    index = verify(path)
+    entries = _entries(path, index, dtype)
+    header: dict[str, Any] = {}
+    offset = 0
+    for name, shape, out_dtype, _ in entries:
+        size = _numel(shape) * torch.empty(0, dtype=out_dtype).element_size()
+        header[name] = {"dtype": _SAFETENSORS_DTYPE[out_dtype], "shape": shape, "data_offsets": [offset, offset + size]}
+        offset += size
+    aliases = {a: p["name"] for p in index["params"] for a in p["aliases"]}
+    header["__metadata__"] = {"format": "pt", "aliases": json.dumps(aliases)}
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    tmp = out_file.with_name(f".{out_file.name}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)))
+        f.write(raw)
+        for name, shape, out_dtype, kind in entries:
+            if kind == "param":
+                tensor = _read_param(path, index, name, _numel(shape)).to(out_dtype)
+            else:
+                with safe_open(path / index["files"][0]["file"], framework="pt") as src:
+                    tensor = src.get_tensor(model_key(name)).to(out_dtype).reshape(-1)
+            f.write(memoryview(tensor.contiguous().view(torch.uint8).numpy()))
+            del tensor
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, out_file)
+    _check_written(out_file, entries)
+    return out_file
+
+
+def _check_written(out_file: Path, entries: list[tuple[str, list[int], torch.dtype, str]]) -> None:
+    with safe_open(out_file, framework="pt") as f:
+        keys = set(f.keys())
+        for name, shape, out_dtype, _ in entries:
+            if name not in keys or list(f.get_slice(name).get_shape()) != shape:
+                raise CheckpointError(f"{out_file}: {name!r} did not come out as written")
+            if f.get_slice(name).get_dtype() != _SAFETENSORS_DTYPE[out_dtype]:
+                raise CheckpointError(f"{out_file}: {name!r} has the wrong dtype")
+
+
+def dtype_arg(text: str) -> torch.dtype:
+    """``--dtype`` values: bf16, fp16, fp32 or a torch dtype name."""
+    aliases = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+    return dtype_from_name(aliases.get(text, text))
+

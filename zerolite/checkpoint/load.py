@@ -1,0 +1,208 @@
+"""`load`: restore a checkpoint at any world size, stage and bucket size.
+
+Each rank reads only the element ranges it owns under the *current* layout, from
+whichever files hold them (``get_slice`` reads part of a tensor without loading it).
+Everything is read and checked first -- file sizes and hashes (spread over the ranks,
+the verdict shared), names, shapes, dtypes, optimizer class, coverage of every range --
+and ranks agree before any model, optimizer or RNG state changes, so a bad checkpoint
+fails on every rank together with an error naming the file or parameter.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import defaultdict
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from zerolite.checkpoint.format import CheckpointError, file_digest, master_key, model_key, read_index, state_key
+from zerolite.checkpoint.save import model_only_tensors
+from zerolite.consensus import agree
+from zerolite.optim.sharded_optimizer import ShardedOptimizer
+
+__all__ = ["load"]
+
+
+def _verify_files(path: Path, index: dict[str, Any], rank: int, world_size: int) -> None:
+    """Check size and sha256 of the files assigned to this rank (every world_size-th)."""
+    for entry in index["files"][rank::world_size]:
+        file = path / entry["file"]
+        if not file.is_file():
+            raise CheckpointError(f"{file}: missing shard file (rank {entry['rank']} of the save)")
+        size, sha = file_digest(file)
+        if size != entry["bytes"]:
+            raise CheckpointError(f"{file}: {size} bytes, the index says {entry['bytes']} (truncated or replaced)")
+        if sha != entry["sha256"]:
+            raise CheckpointError(f"{file}: sha256 mismatch (corrupt)")
+
+
+def _check_model(index: dict[str, Any], opt: ShardedOptimizer) -> None:
+    saved = {p["name"]: p for p in index["params"]}
+    current = {name: flat.shapes[i] for flat in opt.flats for i, name in enumerate(flat.names)}
+    missing = sorted(set(current) - set(saved))
+    unexpected = sorted(set(saved) - set(current))
+    if missing or unexpected:
+        raise CheckpointError(
+            f"checkpoint parameters do not match the model: missing from the checkpoint {missing[:5]}, "
+            f"not in the model {unexpected[:5]}"
+        )
+    for name, shape in current.items():
+        if list(shape) != saved[name]["shape"]:
+            raise CheckpointError(f"parameter {name!r}: checkpoint shape {saved[name]['shape']}, model shape {list(shape)}")
+    cls = f"{type(opt.optimizer).__module__}.{type(opt.optimizer).__qualname__}"
+    if index["optimizer"]["class"] != cls:
+        raise CheckpointError(f"checkpoint was saved with optimizer {index['optimizer']['class']}, this one is {cls}")
+    if len(index["optimizer"]["param_groups"]) != len(opt.param_groups):
+        raise CheckpointError(
+            f"checkpoint has {len(index['optimizer']['param_groups'])} param groups, the optimizer {len(opt.param_groups)}"
+        )
+
+
+class _RangeReader:
+    """Reads element ranges of one parameter's saved tensors across files."""
+
+    def __init__(self, path: Path, index: dict[str, Any]) -> None:
+        self.path = path
+        self.ranges: dict[str, list[tuple[str, int, int]]] = defaultdict(list)
+        for entry in index["files"]:
+            for name, start, end in entry["pieces"]:
+                self.ranges[name].append((entry["file"], start, end))
+
+    def read(self, key_of: Any, name: str, start: int, end: int, scalar: bool = False) -> torch.Tensor:
+        """Elements [start, end) of ``name``'s tensor ``key_of(name, s, e)``; 0-dim if ``scalar``."""
+        parts: list[torch.Tensor] = []
+        covered = start
+        for file, s, e in sorted(self.ranges[name], key=lambda r: r[1]):
+            lo, hi = max(start, s), min(end, e)
+            if lo >= hi:
+                continue
+            if lo != covered:
+                break
+            # One handle per read: an open handle maps the file (DESIGN §5 on RSS).
+            with safe_open(self.path / file, framework="pt") as f:
+                key = key_of(name, s, e)
+                if key not in f.keys():
+                    raise CheckpointError(f"{self.path / file}: no tensor {key!r}")
+                if scalar:
+                    return f.get_tensor(key)
+                parts.append(f.get_slice(key)[lo - s : hi - s])
+            covered = hi
+        if covered != end:
+            raise CheckpointError(f"parameter {name!r}: elements [{covered}, {end}) are in no shard file")
+        return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+
+def _read_rank_state(path: Path, index: dict[str, Any], opt: ShardedOptimizer) -> list[tuple[torch.Tensor, torch.Tensor, dict]]:
+    """Per master piece of this rank: (piece tensor, fp32 values, optimizer state)."""
+    reader = _RangeReader(path, index)
+    keys = _state_keys(path, index)
+    out = []
+    for flat, master in zip(opt.flats, opt.masters):
+        for piece, tensor in zip(flat.pieces, master.pieces):
+            name = flat.names[piece.index]
+            s, e = piece.param_start, piece.param_end
+            values = reader.read(master_key, name, s, e).float()
+            state = {}
+            for key, scalar in keys.get(name, {}).items():
+                state[key] = reader.read(lambda n, a, b, k=key: state_key(k, n, a, b), name, s, e, scalar=scalar)
+            out.append((tensor, values, state))
+    return out
+
+
+def _state_keys(path: Path, index: dict[str, Any]) -> dict[str, dict[str, bool]]:
+    """name -> {state key: is_scalar}, from the first file holding each parameter."""
+    out: dict[str, dict[str, bool]] = {}
+    for entry in index["files"]:
+        with safe_open(path / entry["file"], framework="pt") as f:
+            for key in f.keys():
+                if not key.startswith("state/"):
+                    continue
+                _, skey, rest = key.split("/", 2)
+                name = rest.rsplit("/", 1)[0]
+                out.setdefault(name, {})[skey] = len(f.get_slice(key).get_shape()) == 0
+    return out
+
+
+@torch.no_grad()
+def load(
+    path: str | os.PathLike,
+    model: nn.Module,
+    optimizer: ShardedOptimizer,
+    *,
+    schedulers: Sequence[Any] = (),
+) -> Any:
+    """Restore ``model`` and ``optimizer`` from checkpoint ``path``; returns its ``extra``.
+
+    Every rank must call. Works at any world size, stage and bucket size relative to
+    the save. RNG states are restored per rank when the world size is unchanged;
+    otherwise every rank reseeds deterministically from the saved rank-0 state and its
+    new rank.
+
+    Raises:
+        zerolite.checkpoint.CheckpointError: on every rank, before anything changes, if a
+            file is missing, truncated or corrupt, or the checkpoint does not fit.
+    """
+    path = Path(path)
+    group = optimizer.group
+    error: BaseException | None = None
+    try:
+        index = read_index(path)
+        _verify_files(path, index, group.rank, group.size)
+    except Exception as exc:
+        error = exc
+    agree("zerolite.checkpoint.load() (verifying files)", [], error, group)
+    pieces: list = []
+    model_tensors: dict[str, torch.Tensor] = {}
+    rng: torch.Tensor | None = None
+    try:
+        _check_model(index, optimizer)
+        pieces = _read_rank_state(path, index, optimizer)
+        targets = model_only_tensors(model, optimizer)
+        rank0 = path / index["files"][0]["file"]
+        with safe_open(rank0, framework="pt") as f:
+            names = set(f.keys())
+            for name, target in targets.items():
+                if model_key(name) not in names:
+                    raise CheckpointError(f"{rank0}: no tensor for {name!r} (buffer or non-optimized parameter)")
+                tensor = f.get_tensor(model_key(name))
+                if tensor.shape != target.shape:
+                    raise CheckpointError(f"{name!r}: checkpoint shape {list(tensor.shape)}, model {list(target.shape)}")
+                model_tensors[name] = tensor
+        same_world = index["world_size"] == group.size
+        rng_file = path / index["files"][group.rank if same_world else 0]["file"]
+        with safe_open(rng_file, framework="pt") as f:
+            rng = f.get_tensor("rng/cpu")
+    except Exception as exc:
+        error = exc
+    agree("zerolite.checkpoint.load() (reading)", [], error, group)
+    # Nothing has changed so far; from here on every read has succeeded on every rank.
+    for tensor, values, state in pieces:
+        tensor.copy_(values)
+        optimizer.state[tensor] = {k: v.to(tensor.device) for k, v in state.items()}
+    for group_dict, saved in zip(optimizer.param_groups, index["optimizer"]["param_groups"]):
+        for key, value in saved.items():
+            current = group_dict.get(key)
+            group_dict[key] = tuple(value) if isinstance(current, tuple) else value
+    for master in optimizer.masters:
+        master.write_back()
+    gathers = [m.flat.all_gather(group) for m in optimizer.masters if m.flat.replicated]
+    for gather in gathers:
+        gather.wait()
+    targets = model_only_tensors(model, optimizer)
+    for name, tensor in model_tensors.items():
+        targets[name].copy_(tensor)
+    if rng is not None:
+        if index["world_size"] == group.size:
+            torch.set_rng_state(rng)
+        else:
+            torch.manual_seed(int.from_bytes(bytes(rng[:8].tolist()), "little") + group.rank)
+    if optimizer.loss_scaler is not None and index["loss_scaler"] is not None:
+        optimizer.loss_scaler.load_state_dict(index["loss_scaler"])
+    for scheduler, state in zip(schedulers, index["schedulers"]):
+        scheduler.load_state_dict(state)
+    return index["extra"]
