@@ -1,5 +1,5 @@
 # Two entry points, each creating (or reusing) the virtual environment it needs:
-#   make example   - train a small GPT with zerolite on 2 CPU processes
+#   make example   - train a small GPT with Accelerate + zerolite on 2 CPU processes
 #   make test      - the test suite (what .ci/run runs)
 # TORCH_SPEC is installed before the package so that pip never resolves torch itself:
 # on a CPU-only machine `torch==2.13.0` is the local CPU wheel; with a CUDA build
@@ -26,5 +26,5 @@ test: $(STAMP)
 	$(VENV)/bin/python -m pytest -q
 
 example: $(STAMP)
-	GLOO_SOCKET_IFNAME=$${GLOO_SOCKET_IFNAME:-lo} $(VENV)/bin/torchrun --nnodes 1 --nproc_per_node $(NPROC) \
-	  --rdzv_backend c10d --rdzv_endpoint 127.0.0.1:0 examples/train_gpt.py --stage $(STAGE)
+	ACCELERATE_USE_CPU=1 $(VENV)/bin/accelerate launch --config_file examples/accelerate/cpu_2proc.yaml \
+	  --num_processes $(NPROC) examples/train_gpt.py --stage $(STAGE)

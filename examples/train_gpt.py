@@ -1,11 +1,14 @@
-"""Train a small GPT with zerolite under torchrun.
+"""Train a small GPT with Accelerate + zerolite on the Python standard library's source.
 
-    torchrun --nproc_per_node 2 examples/train_gpt.py --stage 2 [--dtype bf16]
+    ACCELERATE_USE_CPU=1 accelerate launch --config_file examples/accelerate/cpu_2proc.yaml \\
+        examples/train_gpt.py [--stage 1|2|3] [--steps 200] [--resume]
 
-The text is the Python standard library's own source, read at run time as bytes
-(vocabulary 256), so nothing is downloaded. Every rank reads a different slice of each
-global batch. Rank 0 prints the loss, tokens/s and, at the end, the per-rank memory
-footprint next to what DDP would hold for the same model.
+The text is the standard library's own ``.py`` files, read at run time as bytes
+(vocabulary 256): nothing is downloaded. The only change from a stock Accelerate loop is
+``ZeroAccelerator`` instead of ``Accelerator``. Rank 0 prints step, loss and tokens/s,
+then each rank's measured memory footprint next to what DDP would hold. A checkpoint is
+saved every ``--save-every`` steps under ``--out`` (``save_state``); ``--resume`` continues
+from the newest one. The stage comes from ``--stage`` or ``ZEROLITE_STAGE``.
 """
 
 from __future__ import annotations
@@ -18,18 +21,18 @@ import time
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
+from accelerate.utils import ProjectConfiguration
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import zerolite  # noqa: E402
 from examples.gpt import GPT, GPTConfig, param_groups  # noqa: E402
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+from zerolite.accelerate import ZeroAccelerator  # noqa: E402
+from zerolite.memory import footprint, formula  # noqa: E402
 
 
 def stdlib_text(max_bytes: int) -> torch.Tensor:
-    """The first ``max_bytes`` of the standard library's .py files, as uint8 tokens."""
+    """The first ``max_bytes`` of the standard library's .py files, as int64 byte tokens."""
     root = Path(sysconfig.get_paths()["stdlib"])
     chunks, total = [], 0
     for path in sorted(root.glob("*.py")):
@@ -42,6 +45,7 @@ def stdlib_text(max_bytes: int) -> torch.Tensor:
 
 
 def batch_at(tokens: torch.Tensor, step: int, batch: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The global batch of ``step`` (the same on every rank; each rank takes its rows)."""
     g = torch.Generator().manual_seed(step)
     starts = torch.randint(0, len(tokens) - seq - 1, (batch,), generator=g)
     rows = torch.stack([tokens[s : s + seq + 1] for s in starts.tolist()])
@@ -50,40 +54,64 @@ def batch_at(tokens: torch.Tensor, step: int, batch: int, seq: int) -> tuple[tor
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--stage", type=int, default=int(os.environ.get("ZEROLITE_STAGE", 2)), choices=(1, 2))
-    parser.add_argument("--dtype", default="fp32", choices=sorted(DTYPES))
-    parser.add_argument("--steps", type=int, default=150)
+    parser.add_argument("--stage", type=int, default=int(os.environ.get("ZEROLITE_STAGE", 2)), choices=(1, 2, 3))
+    parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--batch", type=int, default=8, help="micro-batch per rank")
     parser.add_argument("--lr", type=float, default=2e-3)
+    parser.add_argument("--save-every", type=int, default=100)
+    parser.add_argument("--out", default="runs/train_gpt", help="checkpoints go to OUT/checkpoints")
+    parser.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in OUT")
     args = parser.parse_args()
 
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
+    project = ProjectConfiguration(project_dir=args.out, automatic_checkpoint_naming=True, total_limit=2)
+    accelerator = ZeroAccelerator(project_config=project, zero_config=zerolite.ZeroConfig(stage=args.stage))
+    rank, world = accelerator.process_index, accelerator.num_processes
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     torch.manual_seed(0)
     cfg = GPTConfig(vocab_size=256, seq_len=128, n_layer=4, n_head=4, d_model=128)
     model = GPT(cfg)
-    opt = torch.optim.AdamW(param_groups(model, weight_decay=0.1), lr=args.lr, betas=(0.9, 0.95))
-    opt = zerolite.shard(model, opt, zerolite.ZeroConfig(stage=args.stage, param_dtype=DTYPES[args.dtype]))
+    optimizer = torch.optim.AdamW(param_groups(model, weight_decay=0.1), lr=args.lr, betas=(0.9, 0.95))
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 20))
+    model, optimizer, schedule = accelerator.prepare(model, optimizer, schedule)
+    start_step = 0
+    if args.resume and (Path(args.out) / "checkpoints").is_dir():
+        accelerator.load_state()
+        start_step = accelerator.step
+        accelerator.print(f"resumed at step {start_step}")
     tokens = stdlib_text(4_000_000)
-    if rank == 0:
-        n = sum(p.numel() for p in model.parameters())
-        print(f"zerolite stage {args.stage}, {args.dtype}, {world} ranks, {n / 1e6:.2f}M parameters, "
-              f"{len(tokens) / 1e6:.1f}M bytes of stdlib text")
-    start, seen = time.perf_counter(), 0
-    for step in range(args.steps):
+    n_params = sum(p.numel() for p in model.parameters())
+    accelerator.print(
+        f"zerolite stage {args.stage} via Accelerate ({accelerator.distributed_type}), {world} processes, "
+        f"{n_params / 1e6:.2f}M parameters, {len(tokens) / 1e6:.1f}M bytes of standard-library text"
+    )
+    clock, seen = time.perf_counter(), 0
+    for step in range(start_step, args.steps):
         x, y = batch_at(tokens, step, args.batch * world, cfg.seq_len)
-        x, y = x[rank::world], y[rank::world]
-        loss = model(x, y)
-        loss.backward()
-        opt.clip_grad_norm_(1.0)
-        opt.step()
-        opt.zero_grad()
+        x, y = x[rank::world].to(accelerator.device), y[rank::world].to(accelerator.device)
+        with accelerator.accumulate(model):
+            loss = model(x, y)
+            accelerator.backward(loss)
+            accelerator.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            schedule.step()
+            optimizer.zero_grad()
+        accelerator.step = step + 1
         seen += x.numel() * world
-        if rank == 0 and (step % 10 == 0 or step == args.steps - 1):
-            rate = seen / (time.perf_counter() - start)
-            print(f"step {step:4d}  loss {loss.item():.3f}  {rate:,.0f} tokens/s")
-    dist.destroy_process_group()
+        if step % 20 == 0 or step == args.steps - 1:
+            rate = seen / (time.perf_counter() - clock)
+            accelerator.print(f"step {step:4d}  loss {loss.item():.3f}  {rate:,.0f} tokens/s")
+        if (step + 1) % args.save_every == 0:
+            accelerator.save_state()
+    mine = footprint(optimizer.optimizer)
+    ddp = formula(n_params, world_size=world, stage=0, param_dtype=accelerator.zero_config.param_dtype)
+    for r in range(world):
+        if r == rank:
+            print(f"[rank {rank}] model states held: {mine.model_states / 1e6:.2f} MB "
+                  f"(params {mine.params / 1e6:.2f}, grads {mine.grads / 1e6:.2f}, master {mine.master / 1e6:.2f}, "
+                  f"optimizer {mine.optimizer_state / 1e6:.2f}); DDP would hold {ddp.model_states / 1e6:.2f} MB",
+                  flush=True)
+        accelerator.wait_for_everyone()
+    accelerator.end_training()
 
 
 if __name__ == "__main__":
