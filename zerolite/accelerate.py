@@ -135,8 +135,8 @@ class _ZeroMethods:
         """Save models and sharded optimizers with `zerolite.checkpoint` (each rank its shard),
         plus Accelerate's dataloader, RNG and registered-object states. All ranks must call."""
         target = self._checkpoint_dir(output_dir)
+        self.wait_for_everyone()  # rank 0 has pruned old checkpoints before anyone creates the new one
         target.mkdir(parents=True, exist_ok=True)
-        self.wait_for_everyone()
         schedulers = [getattr(s, "scheduler", s) for s in self._schedulers]
         for i, (model, opt) in enumerate(self._zero_sharded):
             zerolite.checkpoint.save(
