@@ -50,7 +50,7 @@ class GPT(nn.Module):
     """``forward(idx: [B, T] int64, targets: [B, T] int64 | None)`` -> mean cross-entropy
     loss (0-dim) when ``targets`` is given, else logits ``[B, T, vocab_size]``."""
 
-    def __init__(self, cfg: GPTConfig) -> None:
+    def __init__(self, cfg: GPTConfig = GPTConfig()) -> None:
         super().__init__()
         self.cfg = cfg
         self.wte = nn.Embedding(cfg.vocab_size, cfg.d_model)

@@ -35,7 +35,7 @@ from multiprocessing import reduction
 from multiprocessing.connection import Connection, wait
 from typing import Any, TypeVar
 
-__all__ = ["RankFailure", "RankTimeout", "run_ranks"]
+__all__ = ["FootprintMismatch", "RankFailure", "RankTimeout", "assert_footprint", "run_ranks"]
 
 _T = TypeVar("_T")
 logger = logging.getLogger(__name__)
@@ -298,3 +298,7 @@ def _kill(procs: list[Any]) -> None:
     for proc in procs:
         proc.join()
         proc.close()
+
+
+# Re-exported here: users' memory-footprint regression tests import it with run_ranks.
+from zerolite.memory.assertions import FootprintMismatch, assert_footprint  # noqa: E402

@@ -116,7 +116,7 @@ def shard(
     lines: list[str] = []
     error: BaseException | None = None
     try:
-        plan = _plan(model, optimizer, config, group)
+        plan = plan_layout(model, optimizer, config)
         lines = plan.describe(config, optimizer)
     except Exception as exc:  # every rank must learn of it: see zerolite.consensus
         error = exc
@@ -125,7 +125,11 @@ def shard(
     return _build(model, optimizer, config, group, cast(_Plan, plan), digest)
 
 
-def _plan(model: nn.Module, optimizer: torch.optim.Optimizer, config: ZeroConfig, group: Group) -> _Plan:
+def plan_layout(model: nn.Module, optimizer: torch.optim.Optimizer, config: ZeroConfig) -> _Plan:
+    """Validate the inputs of `shard` and decide its flat buffers; modifies nothing.
+
+    Used by `shard` and by `zerolite.memory.estimate`.
+    """
     if not isinstance(model, nn.Module):
         raise TypeError(f"shard() needs an nn.Module as model, got {type(model).__name__}")
     if isinstance(optimizer, ShardedOptimizer):

@@ -22,7 +22,7 @@ from torch import nn
 
 from zerolite.checkpoint.format import CheckpointError, file_digest, master_key, model_key, read_index, state_key
 from zerolite.checkpoint.save import model_only_tensors
-from zerolite.consensus import agree
+from zerolite.consensus import RankMismatchError, agree
 from zerolite.optim.sharded_optimizer import ShardedOptimizer
 
 __all__ = ["load"]
@@ -61,6 +61,14 @@ def _check_model(index: dict[str, Any], opt: ShardedOptimizer) -> None:
         raise CheckpointError(
             f"checkpoint has {len(index['optimizer']['param_groups'])} param groups, the optimizer {len(opt.param_groups)}"
         )
+
+
+def _agree(what: str, error: BaseException | None, group: Any) -> None:
+    """`agree`, raising a peer's failure as `CheckpointError` here too (the documented type)."""
+    try:
+        agree(what, [], error, group)
+    except RankMismatchError as exc:
+        raise CheckpointError(str(exc)) from exc
 
 
 class _RangeReader:
@@ -155,7 +163,7 @@ def load(
         _verify_files(path, index, group.rank, group.size)
     except Exception as exc:
         error = exc
-    agree("zerolite.checkpoint.load() (verifying files)", [], error, group)
+    _agree("zerolite.checkpoint.load() (verifying files)", error, group)
     pieces: list = []
     model_tensors: dict[str, torch.Tensor] = {}
     rng: torch.Tensor | None = None
@@ -179,7 +187,7 @@ def load(
             rng = f.get_tensor("rng/cpu")
     except Exception as exc:
         error = exc
-    agree("zerolite.checkpoint.load() (reading)", [], error, group)
+    _agree("zerolite.checkpoint.load() (reading)", error, group)
     # Nothing has changed so far; from here on every read has succeeded on every rank.
     for tensor, values, state in pieces:
         tensor.copy_(values)

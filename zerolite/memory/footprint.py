@@ -1,4 +1,4 @@
-"""Memory accounting: what a rank holds, measured, and what the ZeRO formulas say.
+"""What a rank holds, measured (`footprint`), and what the ZeRO formulas say (`formula`).
 
 `MemoryBreakdown` serves both. Its fields are bytes per rank:
 

@@ -1,0 +1,173 @@
+"""`estimate`: what `shard()` will hold per rank, before building anything.
+
+Given a parameter count, it is `formula` (no padding). Given a model, it plans exactly
+as `zerolite.shard` does -- the same flat buffers (buckets, or units in stage 3), the
+same padding, the same per-parameter master pieces on the chosen rank -- and counts:
+
+- params: full padded buffers (stages 1-2) or shards (stage 3) in ``param_dtype``,
+  plus every parameter zerolite does not manage (frozen, outside the optimizer);
+- grads: full padded buffers in ``param_dtype`` (stage 1) or shards in the reduce dtype
+  (stages 2-3); parameters outside the optimizer that require grad keep a full gradient;
+- master: fp32 shards (padding included) when ``param_dtype`` is 16-bit;
+- optimizer_state: per-element fp32 state per piece (padding excluded) plus the 0-dim
+  scalar state per piece (Adam's ``step``: 4 bytes);
+- transient: the configured bound, not a measurement: stage 1 the reduced shards at
+  the step; stage 2 two buckets (one filling, one in flight) and one autograd gradient of
+  the largest parameter; stage 3 adds ``prefetch + 1`` gathered units plus the root;
+  16-bit gradients add the fp32 upcast of one shard.
+
+The four model-state fields are byte-exact against `footprint` of the same model,
+optimizer and config (that is tested), so it can be used to choose a stage, a world
+size and a batch size before a run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from zerolite.config import ZeroConfig
+from zerolite.layout import FlatLayout
+from zerolite.memory.footprint import MemoryBreakdown, formula
+from zerolite.zero import plan_layout
+
+__all__ = ["estimate", "state_bytes"]
+
+_OPTIMIZERS: dict[str, Callable[[list[nn.Parameter]], torch.optim.Optimizer]] = {
+    "adam": lambda ps: torch.optim.Adam(ps),
+    "adamw": lambda ps: torch.optim.AdamW(ps),
+    "sgd": lambda ps: torch.optim.SGD(ps, lr=0.1),
+    "sgd_momentum": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+    "adagrad": lambda ps: torch.optim.Adagrad(ps),
+    "rmsprop": lambda ps: torch.optim.RMSprop(ps),
+}
+
+
+def state_bytes(optimizer: torch.optim.Optimizer, group: dict) -> tuple[int, int]:
+    """(bytes per element, bytes of 0-dim scalars) of ``optimizer``'s state for one tensor."""
+    name = type(optimizer).__name__
+    if name in ("Adam", "AdamW"):
+        return (12 if group.get("amsgrad") else 8), 4
+    if name == "SGD":
+        return (4 if group.get("momentum", 0) else 0), 0
+    if name == "Adagrad":
+        return 4, 4
+    if name == "RMSprop":
+        return 4 + (4 if group.get("momentum", 0) else 0) + (4 if group.get("centered") else 0), 4
+    if name in ("Adamax", "RAdam"):
+        return 8, 4
+    if name == "NAdam":
+        return 8, 8
+    raise ValueError(f"estimate() does not know the state layout of {name}; use a count, or measure with footprint()")
+
+
+@dataclasses.dataclass
+class _Buffer:
+    layout: FlatLayout
+    groups: list[int]  # optimizer group of each parameter in the buffer
+    root: bool = False  # stage 3: the root unit
+
+
+def _size(dtype: torch.dtype) -> int:
+    return torch.empty(0, dtype=dtype).element_size()
+
+
+def _breakdown(
+    buffers: list[_Buffer],
+    optimizer: torch.optim.Optimizer,
+    config: ZeroConfig,
+    rank: int,
+    unmanaged: list[nn.Parameter],
+) -> MemoryBreakdown:
+    p, g = _size(config.param_dtype), _size(config.grad_dtype)
+    padded = sum(b.layout.padded_numel for b in buffers)
+    shard = sum(b.layout.shard_numel for b in buffers)
+    state = 0
+    for b in buffers:
+        for piece in b.layout.pieces(rank):
+            per_element, scalars = state_bytes(optimizer, optimizer.param_groups[b.groups[piece.index]])
+            state += piece.numel * per_element + scalars
+    other = sum(q.numel() * q.element_size() for q in unmanaged)
+    other_grads = sum(q.numel() * q.element_size() for q in unmanaged if q.requires_grad)
+    upcast = 0 if config.grad_dtype == torch.float32 else 4 * max(b.layout.shard_numel for b in buffers)
+    largest_bucket = max(b.layout.padded_numel for b in buffers)
+    largest_param = max(n for b in buffers for n in b.layout.numels)
+    if config.stage == 1:
+        transient = shard * g + upcast
+    else:
+        transient = 2 * largest_bucket * g + largest_param * p + upcast
+    if config.stage == 3:
+        units = [b.layout.padded_numel for b in buffers if not b.root]
+        root = sum(b.layout.padded_numel for b in buffers if b.root)
+        transient += ((config.prefetch + 1) * max(units, default=0) + root) * p
+    return MemoryBreakdown(
+        params=(shard if config.stage == 3 else padded) * p + other,
+        grads=(padded * p if config.stage == 1 else shard * g) + other_grads,
+        master=0 if config.param_dtype == torch.float32 else 4 * shard,
+        optimizer_state=state,
+        transient=transient,
+    )
+
+
+def estimate(
+    model_or_count: nn.Module | int | float,
+    *,
+    world_size: int,
+    config: ZeroConfig | None = None,
+    optimizer: str | torch.optim.Optimizer = "adamw",
+    rank: int = 0,
+) -> MemoryBreakdown:
+    """Per-rank memory of sharding ``model_or_count`` over ``world_size`` ranks.
+
+    Single process, no communication; nothing is allocated but the optimizer object.
+
+    Args:
+        model_or_count: the model `shard()` will receive, or a parameter count (then
+            the result is `formula`, without padding; transient 0).
+        world_size: N.
+        config: the `ZeroConfig` (``stage=0`` means DDP, count only); None is ``ZeroConfig()``.
+        optimizer: the optimizer instance `shard()` will receive (built on this model),
+            or one of ``"adamw"``, ``"adam"``, ``"sgd"``, ``"sgd_momentum"``, ``"adagrad"``,
+            ``"rmsprop"`` (default hyperparameters, over all the model's parameters).
+        rank: whose shard to count (pieces and so scalar state differ slightly by rank).
+    Returns:
+        A `MemoryBreakdown`; its four model-state fields equal ``footprint(opt)`` after
+        ``opt = shard(model, optimizer, config)`` on that rank.
+    """
+    config = ZeroConfig() if config is None else config
+    if not isinstance(model_or_count, nn.Module):
+        name = optimizer if isinstance(optimizer, str) else type(optimizer).__name__.lower()
+        return formula(int(model_or_count), world_size=world_size, stage=config.stage,
+                       param_dtype=config.param_dtype, reduce_dtype=config.reduce_dtype,
+                       optimizer=name if name in ("adam", "adamw", "sgd", "sgd_momentum", "adagrad", "rmsprop") else "adamw")
+    if config.stage == 0:
+        raise ValueError("stage=0 (DDP) is estimated from a count: estimate(num_params, ...)")
+    model = model_or_count
+    opt = _OPTIMIZERS[optimizer](list(model.parameters())) if isinstance(optimizer, str) else optimizer
+    plan = plan_layout(model, opt, config)
+    buffers = [
+        _Buffer(FlatLayout(tuple(p.numel() for _, p in bucket), world_size),
+                [plan.group_of[id(p)] for _, p in bucket], root=config.stage == 3 and b == len(plan.buckets) - 1)
+        for b, bucket in enumerate(plan.buckets)
+    ]
+    managed = {id(p) for bucket in plan.buckets for _, p in bucket}
+    unmanaged = [p for p in model.parameters() if id(p) not in managed]
+    return _breakdown(buffers, opt, config, rank, unmanaged)
+
+
+def estimate_sharded(opt) -> MemoryBreakdown:  # noqa: ANN001 - a ShardedOptimizer
+    """`estimate` for an optimizer already built by `shard()`, from its own layout."""
+    buffers = []
+    group_of = {id(t): g for g, group in enumerate(opt.param_groups) for t in group["params"]}
+    for i, (flat, master) in enumerate(zip(opt.flats, opt.masters)):
+        groups = [0] * len(flat.params)
+        for piece, tensor in zip(flat.pieces, master.pieces):
+            groups[piece.index] = group_of[id(tensor)]
+        buffers.append(_Buffer(flat.layout, groups, root=opt.config.stage == 3 and i == len(opt.flats) - 1))
+    model = opt.model
+    managed = {id(p) for flat in opt.flats for p in flat.params}
+    unmanaged = [p for p in model.parameters() if id(p) not in managed] if model is not None else []
+    return _breakdown(buffers, opt.optimizer, opt.config, opt.group.rank, unmanaged)

@@ -1,0 +1,30 @@
+"""A pytest plugin for memory-footprint regression tests (opt in with
+``pytest_plugins = ["zerolite.pytest_plugin"]`` in your ``conftest.py``).
+
+Fixtures:
+
+- ``zerolite_footprint``: `zerolite.testing.assert_footprint`, to call on a sharded
+  optimizer inside a test (or inside a rank function launched with
+  `zerolite.testing.run_ranks`): ``zerolite_footprint(opt)`` fails, naming each category
+  and the excess bytes, when the measured model states differ from zerolite's estimate.
+- ``zerolite_ranks``: `zerolite.testing.run_ranks`, for tests on real process groups.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+
+from zerolite.memory.assertions import assert_footprint
+from zerolite.testing import run_ranks
+
+
+@pytest.fixture
+def zerolite_footprint() -> Callable:
+    return assert_footprint
+
+
+@pytest.fixture
+def zerolite_ranks() -> Callable:
+    return run_ranks
