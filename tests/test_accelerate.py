@@ -1,0 +1,182 @@
+"""ZeroAccelerator under real `accelerate launch` runs (2 CPU processes), batched.
+
+The loops are in tests/accelerate_cases.py; each launch runs several cases and rank 0
+writes their full parameters (safetensors) and per-rank info (JSON).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file
+
+import zerolite
+from tests import accelerate_cases as cases
+from tests import parity
+from zerolite.testing import run_ranks
+
+ROOT = Path(__file__).resolve().parent.parent
+ACCELERATE = Path(sys.executable).parent / "accelerate"
+CPU_CONFIG = ROOT / "examples" / "accelerate" / "cpu_2proc.yaml"
+
+
+def _launch(out: Path, *names: str, extra_args: tuple[str, ...] = (), config: Path = CPU_CONFIG,
+            background: bool = False) -> subprocess.Popen | None:
+    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}
+    cmd = [str(ACCELERATE), "launch", "--config_file", str(config), *extra_args,
+           str(ROOT / "tests" / "accelerate_cases.py"), str(out), *names]
+    proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    if background:
+        return proc
+    output, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, output[-5000:]
+    return None
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("accelerate")
+    _launch(out, "stage1", "stage2", "stage3", "ddp", "save2", "ddp_accum", "accum2")
+    _launch(out, "bf16_2")
+    _launch(out, "resume2")  # new processes, loading what save2 wrote
+    return out
+
+
+def _result(out: Path, name: str) -> tuple[dict[str, torch.Tensor], list[dict]]:
+    return load_file(str(out / f"{name}.safetensors")), json.loads((out / f"{name}.json").read_text())
+
+
+def _torchrun_loop(stage: int) -> dict[str, torch.Tensor]:
+    """The same loop with zerolite.shard directly; the scheduler steps once per process per
+    optimizer step, as Accelerate's scheduler wrapper does without split_batches."""
+    model = parity.make_model()
+    opt = parity.make_optimizer("AdamW", model)
+    sched = cases.schedule(opt)
+    opt = zerolite.shard(model, opt, zerolite.ZeroConfig(stage=stage))
+    for x, y in parity.batches(cases.STEPS):
+        model(parity.local_slice(x), parity.local_slice(y)).backward()
+        opt.step()
+        for _ in range(dist.get_world_size()):
+            sched.step()
+        opt.zero_grad()
+    return zerolite.full_state_dict(model, rank0_only=False)
+
+
+def _single_process(accumulate: int, micro_batches: int, clip: float | None) -> tuple[dict, list[float]]:
+    """Whole global batches on one process; with accumulation, the micro-batch losses are
+    divided by `accumulate` as Accelerate's backward does (also for a short last group)."""
+    model = parity.make_model()
+    opt = parity.make_optimizer("AdamW", model)
+    sched = cases.schedule(opt)
+    data = parity.batches(micro_batches)
+    norms = []
+    for start in range(0, micro_batches, accumulate):
+        for x, y in data[start:start + accumulate]:
+            (model(x, y) / accumulate).backward()
+        if clip is not None:
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
+        opt.step()
+        for _ in range(2):
+            sched.step()
+        opt.zero_grad()
+    return {k: v.clone() for k, v in model.state_dict().items()}, norms
+
+
+def _errors(state: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> dict[str, float]:
+    return {k: parity.rel_err(state[k], reference[k]) for k in reference}
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_zero_accelerator_is_bitwise_the_torchrun_loop_and_within_ddp_parity(runs, stage):
+    state, _ = _result(runs, f"stage{stage}")
+    expected = run_ranks(_torchrun_loop, 2, stage, timeout=120)[0]
+    for k, v in expected.items():
+        assert torch.equal(state[k], v.float()), k
+    ddp_state, _ = _result(runs, "ddp")
+    reference, _ = _single_process(1, cases.STEPS, None)
+    ddp_err, zl_err = _errors(ddp_state, reference), _errors(state, reference)
+    bad = {k: (e, ddp_err[k]) for k, e in zl_err.items() if not e <= max(2 * ddp_err[k], 1e-6)}
+    assert bad == {}
+
+
+def test_accumulation_and_clipping_through_accelerate(runs):
+    state, infos = _result(runs, "accum2")
+    ddp_state, ddp_infos = _result(runs, "ddp_accum")
+    reference, ref_norms = _single_process(2, 5, 0.05)  # 5 micro-batches: the last group is forced
+    ddp_err, zl_err = _errors(ddp_state, reference), _errors(state, reference)
+    bad = {k: (e, ddp_err[k]) for k, e in zl_err.items() if not e <= max(2 * ddp_err[k], 1e-6)}
+    assert bad == {}
+    norms = infos[0]["norms"]
+    assert len(norms) == 3 and all(n > 0.05 for n in norms)  # clipping active on every step
+    assert abs(norms[0] - ref_norms[0]) <= 1e-6 * ref_norms[0]  # same parameters: 1e-6
+    for got, want in zip(norms[1:], ref_norms[1:]):  # later: trajectories differ by rounding
+        assert abs(got - want) <= 1e-5 * want
+    # Stage 2 during accumulation: the persistent gradient shards only, no full-size gradients.
+    psi = sum(p.numel() for p in parity.make_model().parameters())
+    for info in infos:
+        assert info["grads_during_accumulation"], info
+        for grads, transient in info["grads_during_accumulation"]:
+            assert transient == 0, info  # no full-size gradient alive between micro-steps
+            assert grads * 2 <= 4 * psi + 64, info  # fp32 shard of Ψ/2 elements (+ padding)
+
+
+def test_save_state_then_load_state_in_new_processes_resumes_bitwise(runs):
+    saved, saved_infos = _result(runs, "save2")
+    resumed, resumed_infos = _result(runs, "resume2")
+    for k in saved:
+        assert torch.equal(saved[k], resumed[k]), k
+    assert resumed_infos[0]["losses"] == saved_infos[0]["losses"][2:]
+    # Each rank loaded its own shard (a swapped shard would not resume bitwise either).
+    assert [i["rank_state"]["rank"] for i in resumed_infos] == [0, 1]
+    assert resumed_infos[0]["rank_state"]["first_piece"] != resumed_infos[1]["rank_state"]["first_piece"]
+
+
+def test_bf16_mixed_precision_means_bf16_params_and_fp32_masters(runs):
+    _, infos = _result(runs, "bf16_2")
+    for info in infos:
+        assert info["dtypes"] == ["torch.bfloat16"]
+        assert info["master_dtypes"] == ["torch.float32"]
+    _, fp32_infos = _result(runs, "stage2")
+    for got, want in zip(infos[0]["losses"], fp32_infos[0]["losses"]):
+        assert abs(got - want) <= 2e-2 * abs(want)  # bf16 training follows the fp32 loss curve
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_launches_as_two_nodes_match_one_launch(runs, tmp_path):
+    port = _free_port()
+    config = ROOT / "examples" / "accelerate" / "multi_node.yaml"
+    procs = [
+        _launch(tmp_path, "stage2", config=config, background=True, extra_args=(
+            "--num_machines", "2", "--num_processes", "2", "--machine_rank", str(rank),
+            "--main_process_ip", "127.0.0.1", "--main_process_port", str(port), "--mixed_precision", "no"))
+        for rank in (0, 1)
+    ]
+    for proc in procs:
+        output, _ = proc.communicate(timeout=300)
+        assert proc.returncode == 0, output[-5000:]
+    two_nodes, _ = _result(tmp_path, "stage2")
+    one_launch, _ = _result(runs, "stage2")
+    for k in one_launch:
+        assert torch.equal(two_nodes[k], one_launch[k]), k
+
+
+def test_launch_that_disagrees_with_accelerate_fails_clearly(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "ACCELERATE_USE_CPU"}
+    cmd = [str(ACCELERATE), "launch", "--config_file", str(CPU_CONFIG),
+           str(ROOT / "tests" / "accelerate_cases.py"), str(tmp_path), "stage2"]
+    result = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode != 0
+    assert "ACCELERATE_USE_CPU=1" in result.stdout + result.stderr
