@@ -39,7 +39,15 @@ def full_state_dict(model: nn.Module, rank0_only: bool = True, to_cpu: bool = Tr
     scheduler: UnitScheduler | None = getattr(model, UNITS_ATTR, None)
     keep = not rank0_only or scheduler is None and _rank() == 0 or scheduler is not None and scheduler.group.rank == 0
     if scheduler is None:
-        return {k: _copy(v, to_cpu) for k, v in model.state_dict().items()} if keep else {}
+        if not keep:
+            return {}
+        shared: dict[int, torch.Tensor] = {}  # tied names share one copy, as in state_dict()
+        out = {}
+        for name, tensor in model.state_dict(keep_vars=True).items():
+            if id(tensor) not in shared:
+                shared[id(tensor)] = _copy(tensor, to_cpu)
+            out[name] = shared[id(tensor)]
+        return out
     scheduler.allow_state_dict = True
     try:
         entries = model.state_dict(keep_vars=True)
