@@ -10,7 +10,17 @@ from zerolite._version import __version__
 from zerolite.config import ZeroConfig
 from zerolite.consensus import RankMismatchError
 from zerolite.full_state_dict import full_state_dict
+from zerolite.gathered import gathered_parameters, iter_full_state_dict
 from zerolite.optim.sharded_optimizer import ShardedOptimizer
 from zerolite.zero import shard
 
-__all__ = ["__version__", "ZeroConfig", "RankMismatchError", "ShardedOptimizer", "full_state_dict", "shard"]
+__all__ = [
+    "__version__",
+    "RankMismatchError",
+    "ShardedOptimizer",
+    "ZeroConfig",
+    "full_state_dict",
+    "gathered_parameters",
+    "iter_full_state_dict",
+    "shard",
+]

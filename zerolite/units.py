@@ -5,8 +5,8 @@ all-gathered just before the module runs. By default every element of every
 ``nn.ModuleList`` is a unit (a transformer's blocks); ``ZeroConfig.unit_modules``
 chooses other modules. The root module is always a unit and holds every managed
 parameter that no other unit holds (embeddings, final norm, head). A parameter inside
-nested units belongs to the innermost one; a parameter reachable from two units (tied
-weights) belongs to the first unit, in registration order, that reaches it.
+nested units belongs to the innermost one; a parameter used by two units (tied weights)
+belongs to the root.
 """
 
 from __future__ import annotations
@@ -57,13 +57,16 @@ def find_units(
     is_unit = _is_unit_factory(model, unit_modules)
     names = [name for name, module in model.named_modules() if name and is_unit(module)]
     modules = dict(model.named_modules())
-    owner: dict[int, str] = {}
+    reached: dict[int, set[str]] = {}
     for module_name, module in model.named_modules(remove_duplicate=False):
         enclosing = [u for u in names if module_name == u or module_name.startswith(u + ".")]
         unit_name = max(enclosing, key=len) if enclosing else ""
         for p in module.parameters(recurse=False):
-            if id(p) in managed and id(p) not in owner:
-                owner[id(p)] = unit_name
+            if id(p) in managed:
+                reached.setdefault(id(p), set()).add(unit_name)
+    # A parameter shared by several units (tied weights) goes to the root, which stays
+    # gathered from the start of forward to the end of backward, so every user sees it.
+    owner = {pid: units.pop() if len(units) == 1 else "" for pid, units in reached.items()}
     params_of: dict[str, list[tuple[str, nn.Parameter]]] = {u: [] for u in [*names, ""]}
     for name, p in model.named_parameters():
         if id(p) in owner:

@@ -43,6 +43,7 @@ logger = logging.getLogger(__name__)
 
 _SHARDED_ATTR = "_zerolite_sharded"
 UNITS_ATTR = "_zerolite_units"  # stage 3: the model's UnitScheduler (None in stages 1-2)
+SHARDED_OPTIMIZER_ATTR = "_zerolite_optimizer"  # the ShardedOptimizer built for the model
 
 
 @dataclasses.dataclass
@@ -254,6 +255,7 @@ def _build(
         layout_digest=layout_digest,
         model=model,
     )
+    setattr(model, SHARDED_OPTIMIZER_ATTR, sharded)
     numel = sum(flat.numel for flat in flats)
     if group.rank == 0:
         logger.info(

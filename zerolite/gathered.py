@@ -1,0 +1,111 @@
+"""Full parameters on demand: `gathered_parameters` and `iter_full_state_dict`.
+
+Stage 3 keeps only shards between uses. These gather on request -- all units at once
+inside `gathered_parameters` (for inspection, custom initialisation, or an edit made on
+one rank and broadcast), or one unit at a time in `iter_full_state_dict` (streaming a
+full state dict with a peak of one unit). In stages 1-2 parameters are always full and
+both are cheap.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from zerolite.collectives import broadcast
+from zerolite.unit_scheduler import UnitScheduler
+from zerolite.zero import SHARDED_OPTIMIZER_ATTR, UNITS_ATTR
+
+__all__ = ["gathered_parameters", "iter_full_state_dict"]
+
+
+@contextlib.contextmanager
+@torch.no_grad()
+def gathered_parameters(model: nn.Module, modifier_rank: int | None = None) -> Iterator[None]:
+    """Inside the block every managed parameter holds its full values. All ranks must enter.
+
+    Args:
+        model: a model sharded by `zerolite.shard` (any stage).
+        modifier_rank: if set, the values this rank holds when the block exits are
+            broadcast to every rank and written into the shards and fp32 masters, so an
+            edit made there (e.g. ``p.copy_(...)`` or re-initialisation) survives
+            resharding and is what the optimizer steps next. If None, edits are
+            discarded on exit in stage 3 (and must be identical on every rank in stages 1-2).
+    """
+    opt = getattr(model, SHARDED_OPTIMIZER_ATTR, None)
+    if opt is None:
+        raise ValueError("gathered_parameters() needs a model sharded by zerolite.shard()")
+    scheduler: UnitScheduler | None = getattr(model, UNITS_ATTR, None)
+    was_gathered = []
+    if scheduler is not None:
+        was_gathered = scheduler.unsharded_units()
+        for i in range(len(scheduler.flats)):
+            scheduler.gather(i)
+        for i in range(len(scheduler.flats)):
+            scheduler.unshard(i)
+    try:
+        yield
+    finally:
+        if modifier_rank is not None:
+            for flat, master in zip(opt.flats, opt.masters):
+                broadcast(flat.data, modifier_rank, opt.group)
+                lo, hi = flat.layout.shard_range(flat.rank)
+                if not flat.replicated:
+                    flat.shard.copy_(flat.data[lo:hi])
+                if not master.is_view:
+                    master.data.copy_(flat.data[lo:hi])
+        if scheduler is not None:
+            for i in range(len(scheduler.flats)):
+                if i not in was_gathered:
+                    scheduler.reshard(i)
+
+
+@torch.no_grad()
+def iter_full_state_dict(model: nn.Module, to_cpu: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(name, tensor)`` of the full state dict, gathering one unit at a time.
+
+    All ranks must iterate to the end together (each unit is an all-gather). Tensors are
+    copies (on CPU by default). Names and order are those of ``model.state_dict()``,
+    except that parameters come unit by unit and buffers at the end; a tied parameter
+    is yielded under each of its names (the same tensor).
+    """
+    scheduler: UnitScheduler | None = getattr(model, UNITS_ATTR, None)
+    if scheduler is None:
+        shared: dict[int, torch.Tensor] = {}
+        for name, tensor in model.state_dict(keep_vars=True).items():
+            if id(tensor) not in shared:
+                shared[id(tensor)] = _copy(tensor, to_cpu)
+            yield name, shared[id(tensor)]
+        return
+    scheduler.allow_state_dict = True
+    try:
+        entries = model.state_dict(keep_vars=True)
+    finally:
+        scheduler.allow_state_dict = False
+    names_of: dict[int, list[str]] = {}
+    for name, tensor in entries.items():
+        names_of.setdefault(id(tensor), []).append(name)
+    done: set[int] = set()
+    for i, flat in enumerate(scheduler.flats):
+        if flat is None:
+            continue
+        was_gathered = flat.unsharded
+        scheduler.unshard(i)
+        for p in flat.params:
+            copy = _copy(p, to_cpu)
+            for name in names_of.get(id(p), []):
+                yield name, copy
+            done.add(id(p))
+        if not was_gathered:
+            scheduler.reshard(i)
+    for name, tensor in entries.items():
+        if id(tensor) not in done:
+            yield name, _copy(tensor, to_cpu)
+
+
+def _copy(t: torch.Tensor, to_cpu: bool) -> torch.Tensor:
+    t = t.detach()
+    return t.to("cpu", copy=True) if to_cpu else t.clone()
