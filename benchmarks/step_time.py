@@ -8,12 +8,15 @@ Systems, in fp32 and bf16 (torch's peers use CPU autocast for bf16; zerolite kee
 parameters with fp32 master shards):
     ddp      DistributedDataParallel + AdamW
     zero1    DDP + torch.distributed.optim.ZeroRedundancyOptimizer(AdamW)
-    zl1/zl2  zerolite.shard stage 1 / 2
+    fsdp2    torch's fully_shard per block + root (bf16 via MixedPrecisionPolicy)
+    zl1/zl2/zl3  zerolite.shard stage 1 / 2 / 3
 
 Per system it prints the median step time, its ratio to DDP's median in the same round
 (mean and spread over rounds), tokens/s, model-state bytes per rank and their ratio to
 `zerolite.memory.formula`, transient bytes, and logical elements per collective kind per
-step, counted by a pass-through spy on torch.distributed in a separate counting step.
+step, counted by a pass-through spy on torch.distributed in a separate counting step
+(elements one rank sends, as a ring would: all-reduce 2(N-1)/N of the buffer,
+all-gather and reduce-scatter (N-1)/N, point-to-point what is sent).
 
     python benchmarks/step_time.py [--rounds 5] [--dtypes fp32,bf16] [--device cuda]
 
@@ -45,17 +48,29 @@ from zerolite.testing import run_ranks  # noqa: E402
 CFG = GPTConfig(vocab_size=8192, seq_len=128, n_layer=6, n_head=6, d_model=384)
 MICRO_BATCH = 4
 WARMUP, TIMED = 3, 10
-SYSTEMS = ("ddp", "zero1", "zl1", "zl2")
-STAGE = {"ddp": 0, "zero1": 1, "zl1": 1, "zl2": 2}
+SYSTEMS = ("ddp", "zero1", "fsdp2", "zl1", "zl2", "zl3")
+STAGE = {"ddp": 0, "zero1": 1, "fsdp2": 3, "zl1": 1, "zl2": 2, "zl3": 3}
 SPIED = ("isend", "irecv", "all_reduce", "broadcast", "all_gather", "reduce_scatter_single",
          "all_gather_single", "reduce_scatter_tensor", "all_gather_into_tensor")
+
+
+def _sent(name: str, numel: int, n: int) -> float:
+    """Elements one rank sends for a call whose first tensor has ``numel`` elements, as a
+    ring would (so that point-to-point and collective counts compare)."""
+    if name == "all_reduce":
+        return 2 * numel * (n - 1) / n
+    if name in ("all_gather", "all_gather_single", "all_gather_into_tensor"):  # first arg: the output
+        return numel * (n - 1) / n
+    if name in ("reduce_scatter_single", "reduce_scatter_tensor"):  # first arg: this rank's output
+        return numel * (n - 1)
+    return numel  # isend, irecv (received), broadcast (per call)
 
 
 class CommSpy:
     """Pass-through wrappers on torch.distributed functions counting elements per call kind."""
 
     def __init__(self) -> None:
-        self.elements: dict[str, int] = defaultdict(int)
+        self.elements: dict[str, float] = defaultdict(float)
         self._saved: dict[str, object] = {}
 
     def __enter__(self) -> CommSpy:
@@ -66,7 +81,7 @@ class CommSpy:
             def spy(*args, _original=original, _name=name, **kwargs):
                 tensor = args[0] if args else next(iter(kwargs.values()))
                 if isinstance(tensor, torch.Tensor):
-                    self.elements[_name] += tensor.numel()
+                    self.elements[_name] += _sent(_name, tensor.numel(), dist.get_world_size())
                 return _original(*args, **kwargs)
 
             setattr(dist, name, spy)
@@ -99,6 +114,22 @@ def _build(system: str, dtype: str, device: torch.device):
         cfg = zerolite.ZeroConfig(stage=STAGE[system], param_dtype=torch.bfloat16 if dtype == "bf16" else torch.float32)
         opt = zerolite.shard(model, torch.optim.AdamW(groups, lr=3e-4), cfg)
         return model, model, opt, autocast, lambda: footprint(opt)
+    if system == "fsdp2":
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if dtype == "bf16" else None)
+        for block in model.blocks:
+            fully_shard(block, mp_policy=policy)
+        fully_shard(model, mp_policy=policy)
+        opt = torch.optim.AdamW(param_groups(model, weight_decay=0.1), lr=3e-4)
+
+        def measure_fsdp():
+            local = [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()]
+            grads = [g.to_local() if hasattr(g, "to_local") else g for g in (p.grad for p in model.parameters())]
+            state = [v.to_local() if hasattr(v, "to_local") else v for st in opt.state.values() for v in st.values()]
+            return zerolite.memory.MemoryBreakdown(params=_census(local), grads=_census(grads), optimizer_state=_census(state))
+
+        return model, model, opt, autocast, measure_fsdp
     ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
     if dtype == "bf16":
         def autocast():
