@@ -49,7 +49,7 @@ class GradReducer:
         self.local_used = [torch.zeros(len(b.flat.params), dtype=torch.bool) for b in buckets]
         # Reduced shards are up to date for the coming step.
         self.reduced = False
-        self._global_used: list[torch.Tensor] = []
+        self.global_used: list[torch.Tensor] = []
         # True inside model.no_sync(): gradients stay local, nothing launches.
         self.sync_disabled = False
 
@@ -94,9 +94,9 @@ class GradReducer:
             flags = flags.bool()
             if flags[-1]:
                 self.flush()
-            self._global_used = list(flags[:-1].split([len(u) for u in self.local_used]))
+            self.global_used = list(flags[:-1].split([len(u) for u in self.local_used]))
             self.reduced = True
-        return self._global_used
+        return self.global_used
 
     def after_step(self) -> None:
         """The step consumed the reduced gradients."""

@@ -16,6 +16,7 @@ gradients the hooks did not see into the buckets), `zero_grad` and `remove`.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -37,8 +38,14 @@ class _GradHooks:
                 self._handles.append(p.register_post_accumulate_grad_hook(self._make_hook(b, i)))
 
     def _make_hook(self, b: int, i: int) -> Any:
+        # A weak reference: the hook lives on the parameter (outside the garbage
+        # collector's view), so a strong one would keep model and buffers alive forever.
+        owner = weakref.ref(self)
+
         def hook(param: nn.Parameter) -> None:
-            self.on_grad(b, i, param)
+            hooks = owner()
+            if hooks is not None:
+                hooks.on_grad(b, i, param)
 
         return hook
 

@@ -125,6 +125,7 @@ def footprint(opt: ShardedOptimizer) -> MemoryBreakdown:
         [b.shard if b.keep_full else b.full for b in opt.buckets]
         + [p.grad for p in model_params]
         + [f.data for f in opt.flats if not f.replicated]
+        + opt.bookkeeping_tensors()
     )
     return MemoryBreakdown(params=params, grads=grads, master=master, optimizer_state=state, transient=transient)
 

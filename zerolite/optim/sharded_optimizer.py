@@ -92,6 +92,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.step_was_skipped = False
         self._prepared: list[torch.Tensor] | None = None
         self._overflow = False
+        # 0-dim fp32: 1/loss scale times the clip coefficient, applied to gradients after
+        # their fp32 upcast (see _fp32_gradient); `_clipped` says a clip coefficient is in it.
+        self._grad_factor = torch.ones((), dtype=torch.float32)
+        self._clipped = False
 
     # -- shared with the wrapped optimizer -------------------------------------------
     @property
@@ -127,6 +131,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def buckets(self) -> list[GradBucket]:
         return self._reducer.buckets
 
+    def bookkeeping_tensors(self) -> list[torch.Tensor]:
+        """zerolite's small internal tensors (used-gradient flags, the unscale factor)."""
+        return [*self._reducer.local_used, *self._reducer.global_used, self._grad_factor]
+
     def __repr__(self) -> str:
         return (
             f"ShardedOptimizer(stage={self.config.stage}, rank={self.group.rank}/{self.group.size}, "
@@ -161,6 +169,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             self._update_and_gather(used)
         self._reducer.after_step()
         self._prepared = None
+        self._clipped = False
         return loss
 
     def _update_and_gather(self, used: list[torch.Tensor]) -> None:
@@ -170,8 +179,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             shard = bucket.shard
             if shard is None:
                 raise RuntimeError(f"{self.group.prefix()} bucket {b} has no reduced gradient shard")
-            # Transient fp32 copy of one bucket's shard when gradients are 16-bit.
-            master.set_grads(shard if shard.dtype == torch.float32 else shard.float(), used[b])
+            master.set_grads(self._fp32_gradient(shard), used[b])
             self.optimizer.step()
             master.clear_grads()
             master.write_back()
@@ -181,7 +189,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             gather.wait()
 
     def _prepare_gradients(self) -> list[torch.Tensor]:
-        """Phase 1, once per step: reduce, then (fp16) detect overflow and unscale.
+        """Phase 1, once per step: reduce, then (fp16) detect overflow and plan the unscale.
 
         Returns, per bucket, which params some rank produced a gradient for.
         """
@@ -190,14 +198,22 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 self._grads.collect()
             used = self._reducer.reduce()
             self._overflow = False
+            self._grad_factor = torch.ones((), dtype=torch.float32)
             if self.loss_scaler is not None:
-                shards = self._grad_shards()
-                self._overflow = self.loss_scaler.found_overflow(shards, self.group)
-                if not self._overflow:
-                    for shard in shards:
-                        shard.mul_(1.0 / self.loss_scaler.scale)
+                self._overflow = self.loss_scaler.found_overflow(self._grad_shards(), self.group)
+                self._grad_factor /= self.loss_scaler.scale
             self._prepared = used
         return self._prepared
+
+    def _fp32_gradient(self, shard: torch.Tensor) -> torch.Tensor:
+        """The fp32 gradient the master steps with: the shard itself (fp32) or a transient
+        fp32 copy of one bucket's shard (16-bit), times the pending unscale/clip factor.
+        The factor is applied after the upcast: in 16 bits, 1/scale would flush small
+        gradients to zero (what loss scaling exists to prevent)."""
+        grad = shard if shard.dtype == torch.float32 else shard.float()
+        if self.loss_scaler is not None or self._clipped:
+            grad.mul_(self._grad_factor.to(grad.device))
+        return grad
 
     def _grad_shards(self) -> list[torch.Tensor]:
         return [b.shard for b in self.buckets if b.shard is not None]
@@ -220,6 +236,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """
         self._grads.zero_grad(set_to_none)
         self._prepared = None
+        self._clipped = False
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
@@ -238,13 +255,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
             0-dim fp32 tensor: the total norm before clipping, equal on every rank.
         """
         self._prepare_gradients()
-        shards = self._grad_shards()
         if self._overflow:
             return torch.tensor(float("inf"))
-        total = global_grad_norm(shards, norm_type, self.group)
-        coef = clip_coefficient(total, max_norm)
-        for shard in shards:
-            shard.mul_(coef.to(shard.dtype))
+        # The norm of the (still scaled) shards, times the pending factor: exact, since the
+        # norm is homogeneous, and computed in fp32 whatever the gradient dtype.
+        total = global_grad_norm(self._grad_shards(), norm_type, self.group) * self._grad_factor
+        self._grad_factor = self._grad_factor * clip_coefficient(total, max_norm)
+        self._clipped = True
         return total
 
     def state_dict(self) -> dict[str, Any]:
