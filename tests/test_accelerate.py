@@ -124,7 +124,7 @@ def test_accumulation_and_clipping_through_accelerate(runs):
     for info in infos:
         assert info["grads_during_accumulation"], info
         for grads, transient in info["grads_during_accumulation"]:
-            assert transient == 0, info  # no full-size gradient alive between micro-steps
+            assert transient < 1024, info  # no full-size gradient alive between micro-steps (flags only)
             assert grads * 2 <= 4 * psi + 64, info  # fp32 shard of Ψ/2 elements (+ padding)
 
 

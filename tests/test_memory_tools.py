@@ -135,10 +135,10 @@ def _track_case(stage: int, plant: bool) -> dict:
         opt.step()
         opt.zero_grad()
     sizes = [f.layout.padded_numel * f.data.element_size() for f in opt.flats]
-    persistent = footprint(opt).model_states
+    at_rest = footprint(opt).total  # model states + flag bookkeeping, nothing gathered
     return {
         "process": {k: v.process for k, v in tracker.peaks.items()},
-        "forward_gathered": tracker.peaks["forward"].zerolite - persistent,
+        "forward_gathered": tracker.peaks["forward"].zerolite - at_rest,
         "bound": (opt.config.prefetch + 1) * max(sizes[:-1], default=0) + sizes[-1],
     }
 
