@@ -69,14 +69,30 @@ class GradBucket:
         # Whether `full` holds gradients that no reduce-scatter has consumed yet.
         self.unreduced = False
         self._pending: Pending | None = None
+        # Per param of the bucket: a gradient reached `full` since it was allocated.
+        self._written = [False] * len(flat.params)
         self._result: torch.Tensor | None = None
         self._sent: torch.Tensor | None = None
 
     def full_buffer(self) -> torch.Tensor:
-        """``full``, allocated (zeroed) on first use."""
+        """``full``, allocated on first use (padding zeroed; parameter regions are written by
+        `add_grad`, and any region no gradient reached is zeroed at `launch`)."""
         if self.full is None:
-            self.full = torch.zeros(self.flat.layout.padded_numel, dtype=self.full_dtype, device=self.flat.data.device)
+            layout = self.flat.layout
+            self.full = torch.empty(layout.padded_numel, dtype=self.full_dtype, device=self.flat.data.device)
+            self.full[layout.numel :].zero_()
+            self._written = [False] * len(self.flat.params)
         return self.full
+
+    def add_grad(self, index: int, grad: torch.Tensor) -> None:
+        """Add param ``index``'s gradient into ``full`` (the first one since allocation is a
+        copy: cheaper than zeroing the whole buffer and adding)."""
+        view = self.grad_view(index)
+        if self._written[index]:
+            view.add_(grad)
+        else:
+            view.copy_(grad)
+            self._written[index] = True
 
     def grad_view(self, index: int) -> torch.Tensor:
         """Param ``index``'s region of ``full``, in the param's shape."""
@@ -92,6 +108,10 @@ class GradBucket:
         if self._pending is not None:
             raise RuntimeError(f"{self.group.prefix()} bucket {self.flat.index} launched twice without wait()")
         full = self.full_buffer()
+        if not self.keep_full:
+            for i, written in enumerate(self._written):
+                if not written:  # no gradient on this rank: contributes zeros
+                    self.grad_view(i).zero_()
         send = full if full.dtype == self.shard_dtype else full.to(self.shard_dtype)
         if self.shard is None:
             self.shard = torch.empty(self.flat.layout.shard_numel, dtype=self.shard_dtype, device=full.device)

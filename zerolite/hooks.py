@@ -112,7 +112,7 @@ class ShardGradsInBackward(_GradHooks):
                 "checkpointing or a hook calling backward?); use non-reentrant checkpointing"
             )
         with torch.no_grad():
-            bucket.grad_view(i).add_(param.grad)
+            bucket.add_grad(i, param.grad)
         param.grad = None
         self.reducer.local_used[b][i] = True
         bucket.unreduced = True
@@ -139,7 +139,7 @@ class ShardGradsInBackward(_GradHooks):
             for b, bucket in enumerate(self.reducer.buckets):
                 for i, p in enumerate(bucket.flat.params):
                     if p.grad is not None:
-                        bucket.grad_view(i).add_(p.grad)
+                        bucket.add_grad(i, p.grad)
                         p.grad = None
                         self.reducer.local_used[b][i] = True
                         bucket.unreduced = True

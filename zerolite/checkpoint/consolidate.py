@@ -23,8 +23,8 @@ from safetensors import safe_open
 
 from zerolite.checkpoint.format import (
     CheckpointError,
+    check_file,
     dtype_from_name,
-    file_digest,
     master_key,
     model_key,
     read_index,
@@ -50,14 +50,7 @@ def verify(path: str | os.PathLike) -> dict[str, Any]:
     path = Path(path)
     index = read_index(path)
     for entry in index["files"]:
-        file = path / entry["file"]
-        if not file.is_file():
-            raise CheckpointError(f"{file}: missing shard file (rank {entry['rank']} of the save)")
-        size, sha = file_digest(file)
-        if size != entry["bytes"]:
-            raise CheckpointError(f"{file}: {size} bytes, the index says {entry['bytes']} (truncated or replaced)")
-        if sha != entry["sha256"]:
-            raise CheckpointError(f"{file}: sha256 mismatch (corrupt)")
+        check_file(path, entry)
     return index
 
 

@@ -44,6 +44,7 @@ __all__ = [
     "model_key",
     "read_index",
     "file_digest",
+    "check_file",
     "dtype_name",
     "dtype_from_name",
     "to_json_value",
@@ -95,6 +96,19 @@ def file_digest(path: Path) -> tuple[int, str]:
             h.update(block)
             size += len(block)
     return size, h.hexdigest()
+
+
+def check_file(path: Path, entry: dict[str, Any]) -> None:
+    """Raise unless the shard file ``entry`` of checkpoint ``path`` exists with the byte
+    size and sha256 its index records (error names the file)."""
+    file = path / entry["file"]
+    if not file.is_file():
+        raise CheckpointError(f"{file}: missing shard file (rank {entry['rank']} of the save)")
+    size, sha = file_digest(file)
+    if size != entry["bytes"]:
+        raise CheckpointError(f"{file}: {size} bytes, the index says {entry['bytes']} (truncated or replaced)")
+    if sha != entry["sha256"]:
+        raise CheckpointError(f"{file}: sha256 mismatch (corrupt)")
 
 
 def read_index(path: str | os.PathLike) -> dict[str, Any]:

@@ -20,7 +20,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from zerolite.checkpoint.format import CheckpointError, file_digest, master_key, model_key, read_index, state_key
+from zerolite.checkpoint.format import CheckpointError, check_file, master_key, model_key, read_index, state_key
 from zerolite.checkpoint.save import model_only_tensors
 from zerolite.consensus import RankMismatchError, agree
 from zerolite.optim.sharded_optimizer import ShardedOptimizer
@@ -31,14 +31,7 @@ __all__ = ["load"]
 def _verify_files(path: Path, index: dict[str, Any], rank: int, world_size: int) -> None:
     """Check size and sha256 of the files assigned to this rank (every world_size-th)."""
     for entry in index["files"][rank::world_size]:
-        file = path / entry["file"]
-        if not file.is_file():
-            raise CheckpointError(f"{file}: missing shard file (rank {entry['rank']} of the save)")
-        size, sha = file_digest(file)
-        if size != entry["bytes"]:
-            raise CheckpointError(f"{file}: {size} bytes, the index says {entry['bytes']} (truncated or replaced)")
-        if sha != entry["sha256"]:
-            raise CheckpointError(f"{file}: sha256 mismatch (corrupt)")
+        check_file(path, entry)
 
 
 def _check_model(index: dict[str, Any], opt: ShardedOptimizer) -> None:
