@@ -29,7 +29,8 @@ class LiveUnitMeter:
             module.register_forward_pre_hook(lambda *a: self.sample())
             module.register_forward_hook(lambda *a: self.sample())
         for p in self.params:
-            p.register_hook(lambda g: self.sample())
+            if p.requires_grad:
+                p.register_hook(lambda g: self.sample())
 
     def sample(self) -> None:
         seen, total = set(), 0

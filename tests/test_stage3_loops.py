@@ -86,21 +86,40 @@ def _accumulation_case(use_no_sync: bool) -> dict:
     return {"bad": bad, "peak": meter.peak, "bound": 2 * largest + root}
 
 
-def _frozen_case() -> dict:
+def _frozen_model() -> GPT:
     model = parity.make_model()
     for p in model.parameters():
         p.requires_grad_(False)
     for p in model.blocks[1].parameters():
         p.requires_grad_(True)
-    opt = zerolite.shard(model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad]),
-                         zerolite.ZeroConfig(stage=3))
-    parity.train(model, opt, parity.batches(2), sliced=True)
+    return model
+
+
+def _trainable_adamw(model: GPT) -> torch.optim.Optimizer:
+    return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+
+
+def _frozen_case() -> dict:
+    data = parity.batches(3)
+    reference = _frozen_model()
+    ref_losses = parity.train(reference, _trainable_adamw(reference), data, sliced=False)
+    ddp_model = _frozen_model()
+    ddp = torch.nn.parallel.DistributedDataParallel(ddp_model)
+    parity.train(ddp, _trainable_adamw(ddp_model), data, sliced=True)
+    model = _frozen_model()
+    opt = zerolite.shard(model, _trainable_adamw(model), zerolite.ZeroConfig(stage=3))
+    meter = LiveUnitMeter(model)
+    losses = parity.train(model, opt, data, sliced=True)
+    parity.check_parity("frozen", model, losses, reference, ref_losses, parity.tensor_errors(ddp_model, reference))
     trainable = sum(p.numel() for p in model.blocks[1].parameters())
     n = dist.get_world_size()
     fp = footprint(opt)
     frozen_grads = [n for n, p in model.named_parameters() if not p.requires_grad and p.grad is not None]
-    return {"grads": fp.grads, "state": fp.optimizer_state, "trainable": trainable, "n": n,
-            "frozen_grads": frozen_grads, "managed": [name for f in opt.flats for name in f.names]}
+    total = sum(p.numel() for p in model.parameters())
+    unit_sizes = [max(f.layout.padded_numel * 4 for f in fs) for fs in model._zerolite_units.flats if fs]
+    return {"peak": meter.peak, "bound": 2 * max(unit_sizes[:-1]) + 2 * unit_sizes[-1],"grads": fp.grads, "state": fp.optimizer_state, "params": fp.params, "trainable": trainable, "n": n,
+            "total": total, "frozen_grads": frozen_grads, "managed": [name for f in opt.flats for name in f.names],
+            "frozen_sharded": sorted(name for f in opt.frozen_flats for name in f.names)}
 
 
 def _gathered_case() -> dict:
@@ -143,13 +162,18 @@ def test_accumulation_of_four_micro_steps(world_size):
             assert r["peak"] <= r["bound"], r
 
 
-def test_frozen_blocks_hold_no_gradients_or_state():
-    for r in run_ranks(_frozen_case, 2, timeout=60):
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_frozen_blocks_are_sharded_without_gradients_or_state(world_size):
+    for r in run_ranks(_frozen_case, world_size, timeout=60):
         assert all(name.startswith("blocks.1.") for name in r["managed"])
         assert r["frozen_grads"] == []
         # Gradients and AdamW moments only for the trainable block's shard (+ padding, step).
         assert r["grads"] <= 4 * (r["trainable"] // r["n"] + 8)
         assert r["state"] <= 8 * (r["trainable"] // r["n"] + 8) + 4 * 16
+        # The frozen base is sharded too: each rank holds 1/N of all parameters, not all of them.
+        assert "wte.weight" in r["frozen_sharded"] and "blocks.0.fc.weight" in r["frozen_sharded"]
+        assert r["params"] <= 4 * (r["total"] // r["n"] + 8 * 8)
+        assert r["peak"] <= r["bound"], r
 
 
 def test_gathered_parameters_broadcasts_one_ranks_edit():

@@ -50,12 +50,14 @@ def gathered_parameters(model: nn.Module, modifier_rank: int | None = None) -> I
         yield
     finally:
         if modifier_rank is not None:
-            for flat, master in zip(opt.flats, opt.masters):
+            masters = {id(m.flat): m for m in opt.masters}
+            for flat in [*opt.flats, *opt.frozen_flats]:
                 broadcast(flat.data, modifier_rank, opt.group)
                 lo, hi = flat.layout.shard_range(flat.rank)
                 if not flat.replicated:
                     flat.shard.copy_(flat.data[lo:hi])
-                if not master.is_view:
+                master = masters.get(id(flat))
+                if master is not None and not master.is_view:
                     master.data.copy_(flat.data[lo:hi])
         if scheduler is not None:
             for i in range(len(scheduler.flats)):
@@ -89,12 +91,12 @@ def iter_full_state_dict(model: nn.Module, to_cpu: bool = True) -> Iterator[tupl
     for name, tensor in entries.items():
         names_of.setdefault(id(tensor), []).append(name)
     done: set[int] = set()
-    for i, flat in enumerate(scheduler.flats):
-        if flat is None:
+    for i, flats in enumerate(scheduler.flats):
+        if not flats:
             continue
-        was_gathered = flat.unsharded
+        was_gathered = scheduler.is_unsharded(i)
         scheduler.unshard(i)
-        for p in flat.params:
+        for p in (p for flat in flats for p in flat.params):
             copy = _copy(p, to_cpu)
             for name in names_of.get(id(p), []):
                 yield name, copy

@@ -35,7 +35,7 @@ class UnitScheduler:
 
     Args:
         modules: each unit's module; the root (the model) last.
-        flats: each unit's flat buffer (None for a root without managed parameters).
+        flats: each unit's flat buffers (trained, then frozen; empty for a root without any).
         group: the data-parallel group.
         prefetch: units gathered ahead of use.
         reshard_after_forward: free non-root units after their forward.
@@ -44,7 +44,7 @@ class UnitScheduler:
     def __init__(
         self,
         modules: list[nn.Module],
-        flats: list[FlatParamBuffer | None],
+        flats: list[list[FlatParamBuffer]],
         group: Group,
         *,
         prefetch: int,
@@ -59,7 +59,7 @@ class UnitScheduler:
         # Non-root units in the order the first forward ran them.
         self.order: list[int] = []
         self._order_fixed = False
-        self._pending: dict[int, Pending] = {}
+        self._pending: dict[int, list[Pending]] = {}
         self._handles: list[Any] = []
         # Set while zerolite itself reads the model's state dict (see full_state_dict).
         self.allow_state_dict = False
@@ -74,33 +74,32 @@ class UnitScheduler:
 
     # -- unshard / reshard -------------------------------------------------------------
     def gather(self, i: int) -> None:
-        """Launch unit ``i``'s all-gather unless it is gathered or on its way."""
-        flat = self.flats[i]
-        if flat is not None and i not in self._pending and not flat.unsharded:
-            self._pending[i] = flat.unshard(self.group)
+        """Launch unit ``i``'s all-gathers unless it is gathered or on its way."""
+        if i not in self._pending and not self.is_unsharded(i):
+            self._pending[i] = [flat.unshard(self.group) for flat in self.flats[i]]
 
     def unshard(self, i: int) -> None:
         """Unit ``i``'s parameters hold their full values when this returns."""
         self.gather(i)
-        pending = self._pending.pop(i, None)
-        if pending is not None:
+        for pending in self._pending.pop(i, []):
             pending.wait()
 
     def reshard(self, i: int) -> None:
         """Free unit ``i``'s full parameters (after any all-gather in flight lands)."""
-        pending = self._pending.pop(i, None)
-        if pending is not None:
+        for pending in self._pending.pop(i, []):
             pending.wait()
-        flat = self.flats[i]
-        if flat is not None:
+        for flat in self.flats[i]:
             flat.reshard()
 
     def reshard_all(self) -> None:
         for i in range(len(self.modules)):
             self.reshard(i)
 
+    def is_unsharded(self, i: int) -> bool:
+        return any(flat.unsharded for flat in self.flats[i])
+
     def unsharded_units(self) -> list[int]:
-        return [i for i, flat in enumerate(self.flats) if flat is not None and flat.unsharded]
+        return [i for i in range(len(self.flats)) if self.is_unsharded(i)]
 
     # -- forward -----------------------------------------------------------------------
     def _make_pre_forward(self, i: int) -> Any:
@@ -144,6 +143,12 @@ class UnitScheduler:
             torch.autograd.graph.register_multi_grad_hook(tensors, lambda grads: self._pre_backward(i), mode="any")
 
     def _pre_backward(self, i: int) -> None:
+        # Backward has left every unit that ran after i: free those still gathered (a
+        # unit without trained parameters has no gradient hook to free it).
+        if i in self.order:
+            for j in self.order[self.order.index(i) + 1 :]:
+                if self.is_unsharded(j):
+                    self.reshard(j)
         self.unshard(i)
         if i == self.root:
             later = list(reversed(self.order))

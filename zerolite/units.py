@@ -25,7 +25,8 @@ class Unit:
 
     name: str
     module: nn.Module
-    params: list[tuple[str, nn.Parameter]]
+    params: list[tuple[str, nn.Parameter]]  # trainable: flat buffer with master and gradient bucket
+    frozen: list[tuple[str, nn.Parameter]] = dataclasses.field(default_factory=list)  # sharded, no grads
 
 
 def _is_unit_factory(
@@ -49,7 +50,8 @@ def find_units(
 
     Args:
         model: the model to shard.
-        managed: ``id(param) -> name`` of the parameters to shard.
+        managed: ``id(param) -> name`` of the parameters to shard; those that do not
+            require grad land in `Unit.frozen` (sharded, without gradients or state).
         unit_modules: ``ZeroConfig.unit_modules``.
     Returns:
         Units with at least one managed parameter (the root always comes last, even if empty).
@@ -71,6 +73,9 @@ def find_units(
     for name, p in model.named_parameters():
         if id(p) in owner:
             params_of[owner[id(p)]].append((name, p))
-    units = [Unit(u, modules[u], params_of[u]) for u in names if params_of[u]]
-    units.append(Unit("", model, params_of[""]))
+    def split(ps: list[tuple[str, nn.Parameter]]) -> tuple[list, list]:
+        return [x for x in ps if x[1].requires_grad], [x for x in ps if not x[1].requires_grad]
+
+    units = [Unit(u, modules[u], *split(params_of[u])) for u in names if params_of[u]]
+    units.append(Unit("", model, *split(params_of[""])))
     return units

@@ -55,6 +55,7 @@ class _Plan:
     group_of: dict[int, int]  # id(param) -> index of its optimizer param group
     frozen: list[tuple[int, nn.Parameter]]  # (group index, param) held by the optimizer, not trainable
     units: list[Unit] | None = None  # stage 3: the units, root last
+    frozen_buckets: list[list[tuple[str, nn.Parameter]]] = dataclasses.field(default_factory=list)  # stage 3
 
     def describe(self, config: ZeroConfig, optimizer: torch.optim.Optimizer) -> list[str]:
         lines = [
@@ -71,7 +72,8 @@ class _Plan:
         for b, bucket in enumerate(self.buckets):
             lines.append(f"buffer {b}: params {[n for n, _ in bucket]}")
         for unit in self.units or []:
-            lines.append(f"unit {unit.name!r}: {type(unit.module).__name__}")
+            lines.append(f"unit {unit.name!r}: {type(unit.module).__name__}, frozen {[n for n, _ in unit.frozen]}")
+            lines += [f"frozen {n}: shape={tuple(p.shape)}" for n, p in unit.frozen]
         return lines
 
 
@@ -181,11 +183,17 @@ def plan_layout(model: nn.Module, optimizer: torch.optim.Optimizer, config: Zero
     device = config.device if config.device is not None else devices.pop()
     if config.stage == 3:
         # One flat buffer per unit, in the order backward completes them: the blocks in
-        # reverse, then the root (its embedding's gradient is the last to arrive).
-        units = find_units(model, {id(p): n for n, p in managed}, config.unit_modules)
+        # reverse, then the root (its embedding's gradient is the last to arrive). Frozen
+        # parameters are sharded too (a frozen base model is not replicated), in a
+        # second buffer per unit without master or gradients.
+        frozen_params = [(n, p) for n, p in model.named_parameters() if not p.requires_grad and p.is_floating_point()]
+        if any(p.device != device for _, p in frozen_params):
+            raise ValueError("frozen parameters are on another device than the trained ones; move the whole model first")
+        units = find_units(model, {id(p): n for n, p in [*managed, *frozen_params]}, config.unit_modules)
         ordered_units = [*reversed(units[:-1]), units[-1]]
         buckets = [u.params for u in ordered_units if u.params]
-        return _Plan(device=device, buckets=buckets, group_of=group_of, frozen=frozen, units=units)
+        return _Plan(device=device, buckets=buckets, group_of=group_of, frozen=frozen, units=units,
+                     frozen_buckets=[u.frozen for u in units if u.frozen])
     itemsize = torch.empty(0, dtype=config.param_dtype).element_size()
     ordered = list(reversed(managed))  # roughly the order in which backward yields gradients
     runs = bucket_partition([p.numel() * itemsize for _, p in ordered], config.bucket_bytes)
@@ -217,8 +225,22 @@ def _build(
         flats.append(flat)
     for buf in model.buffers():
         broadcast(buf.data, 0, group)
+    frozen_flats = []
+    for k, bucket in enumerate(plan.frozen_buckets):
+        flat = FlatParamBuffer(
+            [p for _, p in bucket],
+            [n for n, _ in bucket],
+            rank=group.rank,
+            world_size=group.size,
+            dtype=config.param_dtype,
+            device=plan.device,
+            index=len(flats) + k,
+        )
+        flat.bind()
+        broadcast(flat.data, 0, group)
+        frozen_flats.append(flat)
     if config.stage == 3:
-        for flat in flats:
+        for flat in [*flats, *frozen_flats]:
             flat.shard_only()
     masters = [MasterShard(flat) for flat in flats]
     _repoint_optimizer(optimizer, plan, flats, masters)
@@ -239,8 +261,10 @@ def _build(
     grads = KeepFullGrads(reducer) if config.stage == 1 else ShardGradsInBackward(reducer)
     scheduler = None
     if plan.units is not None and isinstance(grads, ShardGradsInBackward):
-        scheduler = _schedule_units(plan.units, flats, group, config, grads)
-    guard_conversions(model, {id(p): (flat.data.dtype, flat.data.device) for flat in flats for p in flat.params})
+        scheduler = _schedule_units(plan.units, flats, frozen_flats, group, config, grads)
+    guard_conversions(
+        model, {id(p): (flat.data.dtype, flat.data.device) for flat in [*flats, *frozen_flats] for p in flat.params}
+    )
     install_no_sync(model, reducer)
     setattr(model, _SHARDED_ATTR, True)
     setattr(model, UNITS_ATTR, scheduler)
@@ -255,6 +279,7 @@ def _build(
         layout_digest=layout_digest,
         model=model,
     )
+    sharded.frozen_flats = frozen_flats
     setattr(model, SHARDED_OPTIMIZER_ATTR, sharded)
     numel = sum(flat.numel for flat in flats)
     if group.rank == 0:
@@ -267,11 +292,16 @@ def _build(
 
 @torch.no_grad()
 def _schedule_units(
-    units: list[Unit], flats: list[FlatParamBuffer], group: Group, config: ZeroConfig, grads: ShardGradsInBackward
+    units: list[Unit],
+    flats: list[FlatParamBuffer],
+    frozen_flats: list[FlatParamBuffer],
+    group: Group,
+    config: ZeroConfig,
+    grads: ShardGradsInBackward,
 ) -> UnitScheduler:
     """Stage 3: unshard/reshard hooks, freed units when their gradients are in."""
-    flat_of = {id(flat.params[0]): flat for flat in flats}
-    unit_flats = [flat_of.get(id(u.params[0][1])) if u.params else None for u in units]
+    flat_of = {id(flat.params[0]): flat for flat in [*flats, *frozen_flats]}
+    unit_flats = [[flat_of[id(ps[0][1])] for ps in (u.params, u.frozen) if ps] for u in units]
     scheduler = UnitScheduler(
         [u.module for u in units],
         unit_flats,
@@ -279,7 +309,7 @@ def _schedule_units(
         prefetch=config.prefetch,
         reshard_after_forward=config.reshard_after_forward,
     )
-    unit_of_bucket = {flat.index: i for i, flat in enumerate(unit_flats) if flat is not None}
+    unit_of_bucket = {flat.index: i for i, fs in enumerate(unit_flats) for flat in fs if flat in flats}
     grads.on_bucket_complete = lambda b: scheduler.on_unit_gradients_ready(unit_of_bucket[b])
     grads.on_backward_end = scheduler.on_backward_end
     return scheduler

@@ -25,6 +25,7 @@ from zerolite.checkpoint.format import (
     CheckpointError,
     check_file,
     dtype_from_name,
+    frozen_key,
     master_key,
     model_key,
     read_index,
@@ -79,6 +80,7 @@ def _entries(path: Path, index: dict[str, Any], dtype: torch.dtype | None) -> li
     """(name, shape, output dtype, kind) in state-dict order; kind is 'param' or 'model'."""
     out = []
     params = {p["name"]: p for p in index["params"]}
+    frozen = {p["name"]: p for p in index.get("frozen", [])}
     with safe_open(path / index["files"][0]["file"], framework="pt") as f:
         model_shapes = {k[len("model/"):]: (f.get_slice(k).get_shape(), f.get_slice(k).get_dtype())
                         for k in f.keys() if k.startswith("model/")}
@@ -88,6 +90,9 @@ def _entries(path: Path, index: dict[str, Any], dtype: torch.dtype | None) -> li
             continue
         if name in params:
             out.append((name, params[name]["shape"], dtype or torch.float32, "param"))
+        elif name in frozen:
+            saved_dtype = dtype_from_name(frozen[name]["dtype"])
+            out.append((name, frozen[name]["shape"], dtype or saved_dtype, "frozen"))
         elif name in model_shapes:
             shape, saved = model_shapes[name]
             saved_dtype = _from_safetensors(saved)
@@ -105,15 +110,20 @@ def _from_safetensors(code: str) -> torch.dtype:
     raise CheckpointError(f"unsupported safetensors dtype {code}")
 
 
-def _read_param(path: Path, index: dict[str, Any], name: str, numel: int) -> torch.Tensor:
-    full = torch.empty(numel, dtype=torch.float32)
+def _read_param(path: Path, index: dict[str, Any], name: str, numel: int, kind: str = "param") -> torch.Tensor:
+    """A parameter assembled from its ranges: fp32 master pieces, or frozen pieces (stage 3)."""
+    field, key_of = ("pieces", master_key) if kind == "param" else ("frozen_pieces", frozen_key)
+    ranges = sorted((s, e, entry["file"]) for entry in index["files"] for n, s, e in entry.get(field, []) if n == name)
+    full: torch.Tensor | None = None
     covered = 0
-    ranges = sorted((s, e, entry["file"]) for entry in index["files"] for n, s, e in entry["pieces"] if n == name)
     for s, e, file in ranges:
         with safe_open(path / file, framework="pt") as f:
-            full[s:e] = f.get_slice(master_key(name, s, e))[:]
+            part = f.get_slice(key_of(name, s, e))[:]
+        if full is None:
+            full = torch.empty(numel, dtype=part.dtype)
+        full[s:e] = part
         covered += e - s
-    if covered != numel:
+    if covered != numel or full is None:
         raise CheckpointError(f"parameter {name!r}: the shard files cover {covered} of {numel} elements")
     return full
 
@@ -148,8 +158,8 @@ def consolidate(path: str | os.PathLike, out_file: str | os.PathLike, dtype: tor
         f.write(struct.pack("<Q", len(raw)))
         f.write(raw)
         for name, shape, out_dtype, kind in entries:
-            if kind == "param":
-                tensor = _read_param(path, index, name, _numel(shape)).to(out_dtype)
+            if kind in ("param", "frozen"):
+                tensor = _read_param(path, index, name, _numel(shape), kind).to(out_dtype)
             else:
                 with safe_open(path / index["files"][0]["file"], framework="pt") as src:
                     tensor = src.get_tensor(model_key(name)).to(out_dtype).reshape(-1)

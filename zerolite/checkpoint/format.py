@@ -15,7 +15,9 @@ Requirements it meets:
   size reads the ranges it owns with ``safe_open(...).get_slice``.
 - **Complete.** Rank 0's file also holds ``model/{name}``: module buffers, frozen
   parameters and parameters outside the optimizer. Every file holds ``rng/cpu`` (and
-  ``rng/cuda``) of its rank. The index holds hyperparameters, the loss scaler,
+  ``rng/cuda``) of its rank. Stage 3 shards frozen parameters too: each rank writes its
+  ranges as ``frozen/{name}/{start}-{end}`` (in the parameter dtype) instead of rank 0
+  writing them whole. The index holds hyperparameters, the loss scaler,
   scheduler states, the step and the user's ``extra``.
 - **Verified.** The index records every file's byte size and sha256.
 - **No pickle.** Tensors are safetensors; everything else is JSON.
@@ -42,6 +44,7 @@ __all__ = [
     "master_key",
     "state_key",
     "model_key",
+    "frozen_key",
     "read_index",
     "file_digest",
     "check_file",
@@ -74,6 +77,10 @@ def state_key(key: str, name: str, start: int, end: int) -> str:
 
 def model_key(name: str) -> str:
     return f"model/{name}"
+
+
+def frozen_key(name: str, start: int, end: int) -> str:
+    return f"frozen/{name}/{start}-{end}"
 
 
 def dtype_name(dtype: torch.dtype) -> str:

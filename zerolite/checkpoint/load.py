@@ -20,7 +20,15 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from zerolite.checkpoint.format import CheckpointError, check_file, master_key, model_key, read_index, state_key
+from zerolite.checkpoint.format import (
+    CheckpointError,
+    check_file,
+    frozen_key,
+    master_key,
+    model_key,
+    read_index,
+    state_key,
+)
 from zerolite.checkpoint.save import model_only_tensors
 from zerolite.consensus import RankMismatchError, agree
 from zerolite.optim.sharded_optimizer import ShardedOptimizer
@@ -67,11 +75,11 @@ def _agree(what: str, error: BaseException | None, group: Any) -> None:
 class _RangeReader:
     """Reads element ranges of one parameter's saved tensors across files."""
 
-    def __init__(self, path: Path, index: dict[str, Any]) -> None:
+    def __init__(self, path: Path, index: dict[str, Any], field: str = "pieces") -> None:
         self.path = path
         self.ranges: dict[str, list[tuple[str, int, int]]] = defaultdict(list)
         for entry in index["files"]:
-            for name, start, end in entry["pieces"]:
+            for name, start, end in entry.get(field, []):
                 self.ranges[name].append((entry["file"], start, end))
 
     def read(self, key_of: Any, name: str, start: int, end: int, scalar: bool = False) -> torch.Tensor:
@@ -129,6 +137,34 @@ def _state_keys(path: Path, index: dict[str, Any]) -> dict[str, dict[str, bool]]
     return out
 
 
+class _ModelTensors:
+    """Buffers and non-optimized parameters: whole in rank 0's file (``model/NAME``), or,
+    for parameters a stage-3 save sharded while frozen, in ranges across the files."""
+
+    def __init__(self, path: Path, index: dict[str, Any]) -> None:
+        self.file = path / index["files"][0]["file"]
+        with safe_open(self.file, framework="pt") as f:
+            self.whole = {k[len("model/"):] for k in f.keys() if k.startswith("model/")}
+        self.ranges = _RangeReader(path, index, field="frozen_pieces")
+        self.shapes = {t["name"]: t["shape"] for t in index.get("frozen", [])}
+
+    def has(self, name: str) -> bool:
+        return name in self.whole or name in self.ranges.ranges
+
+    def read(self, name: str, start: int | None = None, end: int | None = None) -> torch.Tensor:
+        """Elements [start, end) of the flattened tensor (all of it, in its shape, if None)."""
+        if name in self.whole:
+            with safe_open(self.file, framework="pt") as f:
+                tensor = f.get_tensor(model_key(name))
+            return tensor if start is None else tensor.reshape(-1)[start:end]
+        if start is None:
+            numel = 1
+            for n in self.shapes[name]:
+                numel *= n
+            return self.ranges.read(frozen_key, name, 0, numel).reshape(self.shapes[name])
+        return self.ranges.read(frozen_key, name, start, end)
+
+
 @torch.no_grad()
 def load(
     path: str | os.PathLike,
@@ -159,21 +195,25 @@ def load(
     _agree("zerolite.checkpoint.load() (verifying files)", error, group)
     pieces: list = []
     model_tensors: dict[str, torch.Tensor] = {}
+    frozen_pieces: list[tuple[Any, Any, torch.Tensor]] = []
     rng: torch.Tensor | None = None
     try:
         _check_model(index, optimizer)
         pieces = _read_rank_state(path, index, optimizer)
-        targets = model_only_tensors(model, optimizer)
-        rank0 = path / index["files"][0]["file"]
-        with safe_open(rank0, framework="pt") as f:
-            names = set(f.keys())
-            for name, target in targets.items():
-                if model_key(name) not in names:
-                    raise CheckpointError(f"{rank0}: no tensor for {name!r} (buffer or non-optimized parameter)")
-                tensor = f.get_tensor(model_key(name))
-                if tensor.shape != target.shape:
-                    raise CheckpointError(f"{name!r}: checkpoint shape {list(tensor.shape)}, model {list(target.shape)}")
-                model_tensors[name] = tensor
+        source = _ModelTensors(path, index)
+        for name, target in model_only_tensors(model, optimizer).items():
+            if not source.has(name):
+                raise CheckpointError(f"{source.file}: no tensor for {name!r} (buffer or non-optimized parameter)")
+            tensor = source.read(name)
+            if tensor.shape != target.shape:
+                raise CheckpointError(f"{name!r}: checkpoint shape {list(tensor.shape)}, model {list(target.shape)}")
+            model_tensors[name] = tensor
+        for flat in optimizer.frozen_flats:  # stage 3: this rank's ranges of frozen parameters
+            for piece in flat.pieces:
+                name = flat.names[piece.index]
+                if not source.has(name):
+                    raise CheckpointError(f"{path}: no tensor for frozen parameter {name!r}")
+                frozen_pieces.append((flat, piece, source.read(name, piece.param_start, piece.param_end)))
         same_world = index["world_size"] == group.size
         rng_file = path / index["files"][group.rank if same_world else 0]["file"]
         with safe_open(rng_file, framework="pt") as f:
@@ -197,6 +237,8 @@ def load(
     targets = model_only_tensors(model, optimizer)
     for name, tensor in model_tensors.items():
         targets[name].copy_(tensor)
+    for flat, piece, values in frozen_pieces:
+        flat.shard[piece.shard_start : piece.shard_start + piece.numel].copy_(values)
     if rng is not None:
         if index["world_size"] == group.size:
             torch.set_rng_state(rng)

@@ -40,6 +40,7 @@ from zerolite.checkpoint.format import (
     VERSION,
     dtype_name,
     file_digest,
+    frozen_key,
     master_key,
     model_key,
     read_index,
@@ -71,10 +72,17 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def rank_tensors(model: nn.Module, opt: ShardedOptimizer) -> tuple[dict[str, torch.Tensor], list[list]]:
-    """This rank's tensors for its file, and the (name, start, end) pieces it holds."""
+def rank_tensors(model: nn.Module, opt: ShardedOptimizer) -> tuple[dict[str, torch.Tensor], list[list], list[list]]:
+    """This rank's tensors for its file, and the (name, start, end) master and frozen pieces."""
     tensors: dict[str, torch.Tensor] = {}
     pieces: list[list] = []
+    frozen_pieces: list[list] = []
+    for flat in opt.frozen_flats:
+        for piece in flat.pieces:
+            name = flat.names[piece.index]
+            start, end = piece.param_start, piece.param_end
+            frozen_pieces.append([name, start, end])
+            tensors[frozen_key(name, start, end)] = flat.shard[piece.shard_start : piece.shard_start + piece.numel]
     for flat, master in zip(opt.flats, opt.masters):
         for piece, tensor in zip(flat.pieces, master.pieces):
             name = flat.names[piece.index]
@@ -90,12 +98,13 @@ def rank_tensors(model: nn.Module, opt: ShardedOptimizer) -> tuple[dict[str, tor
     if opt.group.rank == 0:
         for name, tensor in model_only_tensors(model, opt).items():
             tensors[model_key(name)] = tensor.detach()
-    return {k: v.contiguous().cpu() for k, v in tensors.items()}, pieces
+    return {k: v.contiguous().cpu() for k, v in tensors.items()}, pieces, frozen_pieces
 
 
 def model_only_tensors(model: nn.Module, opt: ShardedOptimizer) -> dict[str, torch.Tensor]:
-    """Buffers, frozen parameters and parameters outside the optimizer, by state-dict name."""
-    managed = {id(p) for flat in opt.flats for p in flat.params}
+    """Buffers and the parameters zerolite does not shard (outside the optimizer; frozen
+    ones in stages 1-2), by state-dict name: saved whole by rank 0."""
+    managed = {id(p) for flat in [*opt.flats, *opt.frozen_flats] for p in flat.params}
     out = {}
     for name, p in model.named_parameters():
         if id(p) not in managed:
@@ -153,6 +162,10 @@ def _index(model: nn.Module, opt: ShardedOptimizer, schedulers: Sequence[Any], e
             ],
         },
         "params": params,
+        "frozen": [
+            {"name": name, "shape": list(flat.shapes[i]), "dtype": dtype_name(flat.data.dtype)}
+            for flat in opt.frozen_flats for i, name in enumerate(flat.names)
+        ],
         "state_dict_keys": state_dict_names(model),
         "step": int(max(steps)) if steps else None,
         "loss_scaler": None if opt.loss_scaler is None else opt.loss_scaler.state_dict(),
@@ -220,8 +233,8 @@ def save(
         error = exc
     agree("zerolite.checkpoint.save() (creating the directory)", [], error, group)
     try:
-        tensors, pieces = rank_tensors(model, optimizer)
-        record = _write_file(tmp / shard_file(group.rank, group.size), tensors, group.rank, pieces)
+        tensors, pieces, frozen_pieces = rank_tensors(model, optimizer)
+        record = _write_file(tmp / shard_file(group.rank, group.size), tensors, group.rank, pieces, frozen_pieces)
     except Exception as exc:
         error = exc
     records = all_gather_bytes(record, group)
@@ -243,7 +256,9 @@ def save(
     return path
 
 
-def _write_file(target: Path, tensors: dict[str, torch.Tensor], rank: int, pieces: list[list]) -> bytes:
+def _write_file(
+    target: Path, tensors: dict[str, torch.Tensor], rank: int, pieces: list[list], frozen_pieces: list[list]
+) -> bytes:
     data = safetensors_bytes(tensors, metadata={"format": FORMAT, "rank": str(rank)})
     with open(target, "wb") as f:
         half = len(data) // 2
@@ -254,7 +269,8 @@ def _write_file(target: Path, tensors: dict[str, torch.Tensor], rank: int, piece
         f.flush()
         os.fsync(f.fileno())
     size, sha = file_digest(target)
-    return json.dumps({"file": target.name, "rank": rank, "bytes": size, "sha256": sha, "pieces": pieces}).encode()
+    return json.dumps({"file": target.name, "rank": rank, "bytes": size, "sha256": sha, "pieces": pieces,
+                       "frozen_pieces": frozen_pieces}).encode()
 
 
 def _write_atomic(target: Path, data: bytes) -> None:

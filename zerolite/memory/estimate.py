@@ -81,7 +81,9 @@ def _breakdown(
     config: ZeroConfig,
     rank: int,
     unmanaged: list[nn.Parameter],
+    frozen: list[FlatLayout],
 ) -> MemoryBreakdown:
+    """``frozen``: stage 3's buffers of frozen parameters (sharded, no gradient, no state)."""
     p, g = _size(config.param_dtype), _size(config.grad_dtype)
     padded = sum(b.layout.padded_numel for b in buffers)
     shard = sum(b.layout.shard_numel for b in buffers)
@@ -102,9 +104,11 @@ def _breakdown(
     if config.stage == 3:
         units = [b.layout.padded_numel for b in buffers if not b.root]
         root = sum(b.layout.padded_numel for b in buffers if b.root)
+        units += [f.padded_numel for f in frozen]
         transient += ((config.prefetch + 1) * max(units, default=0) + root) * p
+    frozen_shards = sum(f.shard_numel for f in frozen) * p
     return MemoryBreakdown(
-        params=(shard if config.stage == 3 else padded) * p + other,
+        params=(shard if config.stage == 3 else padded) * p + frozen_shards + other,
         grads=(padded * p if config.stage == 1 else shard * g) + other_grads,
         master=0 if config.param_dtype == torch.float32 else 4 * shard,
         optimizer_state=state,
@@ -153,9 +157,10 @@ def estimate(
                 [plan.group_of[id(p)] for _, p in bucket], root=config.stage == 3 and b == len(plan.buckets) - 1)
         for b, bucket in enumerate(plan.buckets)
     ]
-    managed = {id(p) for bucket in plan.buckets for _, p in bucket}
+    frozen = [FlatLayout(tuple(p.numel() for _, p in bucket), world_size) for bucket in plan.frozen_buckets]
+    managed = {id(p) for bucket in [*plan.buckets, *plan.frozen_buckets] for _, p in bucket}
     unmanaged = [p for p in model.parameters() if id(p) not in managed]
-    return _breakdown(buffers, opt, config, rank, unmanaged)
+    return _breakdown(buffers, opt, config, rank, unmanaged, frozen)
 
 
 def estimate_sharded(opt) -> MemoryBreakdown:  # noqa: ANN001 - a ShardedOptimizer
@@ -168,6 +173,6 @@ def estimate_sharded(opt) -> MemoryBreakdown:  # noqa: ANN001 - a ShardedOptimiz
             groups[piece.index] = group_of[id(tensor)]
         buffers.append(_Buffer(flat.layout, groups, root=opt.config.stage == 3 and i == len(opt.flats) - 1))
     model = opt.model
-    managed = {id(p) for flat in opt.flats for p in flat.params}
+    managed = {id(p) for flat in [*opt.flats, *opt.frozen_flats] for p in flat.params}
     unmanaged = [p for p in model.parameters() if id(p) not in managed] if model is not None else []
-    return _breakdown(buffers, opt.optimizer, opt.config, opt.group.rank, unmanaged)
+    return _breakdown(buffers, opt.optimizer, opt.config, opt.group.rank, unmanaged, [f.layout for f in opt.frozen_flats])

@@ -100,7 +100,7 @@ def _state_tensors(opt: ShardedOptimizer) -> Iterable[torch.Tensor]:
 
 
 def _in_flats(p: torch.Tensor, opt: ShardedOptimizer) -> bool:
-    return any(p is q for f in opt.flats for q in f.params)
+    return any(p is q for f in [*opt.flats, *opt.frozen_flats] for q in f.params)
 
 
 def footprint(opt: ShardedOptimizer) -> MemoryBreakdown:
@@ -114,7 +114,7 @@ def footprint(opt: ShardedOptimizer) -> MemoryBreakdown:
     model = opt.model
     model_params = list(model.parameters()) if model is not None else []
     # Stage 3 holds shards; full buffers of gathered units are transient.
-    params = census.count([f.data if f.replicated else f.shard for f in opt.flats])
+    params = census.count([f.data if f.replicated else f.shard for f in [*opt.flats, *opt.frozen_flats]])
     master = census.count(m.data for m in opt.masters)
     params += census.count(p for p in model_params if p.untyped_storage().nbytes() and not _in_flats(p, opt))
     persistent = [b.full if b.keep_full else b.shard for b in opt.buckets]
@@ -124,7 +124,7 @@ def footprint(opt: ShardedOptimizer) -> MemoryBreakdown:
     transient = census.count(
         [b.shard if b.keep_full else b.full for b in opt.buckets]
         + [p.grad for p in model_params]
-        + [f.data for f in opt.flats if not f.replicated]
+        + [f.data for f in [*opt.flats, *opt.frozen_flats] if not f.replicated]
         + opt.bookkeeping_tensors()
     )
     return MemoryBreakdown(params=params, grads=grads, master=master, optimizer_state=state, transient=transient)

@@ -80,6 +80,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.group = group
         self.flats = flats
         self.masters = masters
+        # Stage 3: flat buffers of frozen parameters (sharded; no master, no gradients).
+        self.frozen_flats: list[FlatParamBuffer] = []
         self._reducer = reducer
         self._grads = grads
         # sha256 of what shard() agreed on (config, params, buffers): identifies the layout.
