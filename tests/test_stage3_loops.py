@@ -181,3 +181,32 @@ def test_gathered_parameters_broadcasts_one_ranks_edit():
         assert r["seen_full"] and r["edited"], r
         assert 0 < r["moved_from_edit"] < 0.5, r
         assert r["streamed_equal"], r
+
+
+def _fp16_case(stage: int) -> dict:
+    rank = dist.get_rank()
+    model = parity.make_model()
+    opt = zerolite.shard(model, parity.make_optimizer("AdamW", model),
+                         zerolite.ZeroConfig(stage=stage, param_dtype=torch.float16))
+    skipped, scales = [], []
+    for step, (x, y) in enumerate(parity.batches(4)):
+        loss = model(parity.local_slice(x), parity.local_slice(y))
+        if step == 2 and rank == 1:
+            loss = loss * float("inf")  # overflow on one rank only
+        opt.scale_loss(loss).backward()
+        opt.clip_grad_norm_(1.0)
+        opt.step()
+        opt.zero_grad()
+        skipped.append(opt.step_was_skipped)
+        scales.append(opt.loss_scaler.scale)
+    return {"skipped": skipped, "scales": scales, "state": zerolite.full_state_dict(model, rank0_only=False)}
+
+
+def test_fp16_loss_scaling_in_stage_3_matches_stage_2():
+    stage3 = run_ranks(_fp16_case, 2, 3, timeout=60)
+    stage2 = run_ranks(_fp16_case, 2, 2, timeout=60)
+    for r in stage3:
+        assert r["skipped"] == [False, False, True, False]  # every rank skipped the overflow step
+        assert r["scales"] == [65536.0, 65536.0, 32768.0, 32768.0]
+    for k, v in stage2[0]["state"].items():
+        assert torch.equal(stage3[0]["state"][k], v), k
