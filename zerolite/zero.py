@@ -209,36 +209,15 @@ def _build(
     plan: _Plan,
     layout_digest: str,
 ) -> ShardedOptimizer:
-    flats = []
-    for b, bucket in enumerate(plan.buckets):
-        flat = FlatParamBuffer(
-            [p for _, p in bucket],
-            [n for n, _ in bucket],
-            rank=group.rank,
-            world_size=group.size,
-            dtype=config.param_dtype,
-            device=plan.device,
-            index=b,
-        )
-        flat.bind()
-        broadcast(flat.data, 0, group)  # every rank starts from rank 0's values, as with DDP
-        flats.append(flat)
+    # Every rank starts from rank 0's values, as with DDP. Trained buffers come first
+    # (their indices are also the gradient buckets'), then stage 3's frozen ones.
+    all_flats = [
+        _bound_flat(bucket, index, group, config, plan.device)
+        for index, bucket in enumerate([*plan.buckets, *plan.frozen_buckets])
+    ]
+    flats, frozen_flats = all_flats[: len(plan.buckets)], all_flats[len(plan.buckets) :]
     for buf in model.buffers():
         broadcast(buf.data, 0, group)
-    frozen_flats = []
-    for k, bucket in enumerate(plan.frozen_buckets):
-        flat = FlatParamBuffer(
-            [p for _, p in bucket],
-            [n for n, _ in bucket],
-            rank=group.rank,
-            world_size=group.size,
-            dtype=config.param_dtype,
-            device=plan.device,
-            index=len(flats) + k,
-        )
-        flat.bind()
-        broadcast(flat.data, 0, group)
-        frozen_flats.append(flat)
     if config.stage == 3:
         for flat in [*flats, *frozen_flats]:
             flat.shard_only()
@@ -291,6 +270,24 @@ def _build(
 
 
 @torch.no_grad()
+def _bound_flat(
+    bucket: list[tuple[str, nn.Parameter]], index: int, group: Group, config: ZeroConfig, device: torch.device
+) -> FlatParamBuffer:
+    """A flat buffer holding ``bucket``'s parameters, bound to them, with rank 0's values."""
+    flat = FlatParamBuffer(
+        [p for _, p in bucket],
+        [n for n, _ in bucket],
+        rank=group.rank,
+        world_size=group.size,
+        dtype=config.param_dtype,
+        device=device,
+        index=index,
+    )
+    flat.bind()
+    broadcast(flat.data, 0, group)
+    return flat
+
+
 def _schedule_units(
     units: list[Unit],
     flats: list[FlatParamBuffer],
