@@ -175,20 +175,34 @@ class ShardedOptimizer(torch.optim.Optimizer):
         return loss
 
     def _update_and_gather(self, used: list[torch.Tensor]) -> None:
-        """Phases 2 and 3: step bucket by bucket, each bucket's all-gather overlapping the next."""
+        """Phases 2 and 3. The user's optimizer steps bucket by bucket where that pays:
+        replicated buffers (each all-gather overlaps the next bucket's update) and 16-bit
+        gradients (the fp32 upcast stays one bucket's shard). Otherwise (stage 3 in fp32)
+        one step covers every bucket, saving the optimizer's per-call pass over all groups."""
         gathers = []
+        waiting: list[MasterShard] = []
         for b, (master, bucket) in enumerate(zip(self.masters, self.buckets)):
             shard = bucket.shard
             if shard is None:
                 raise RuntimeError(f"{self.group.prefix()} bucket {b} has no reduced gradient shard")
             master.set_grads(self._fp32_gradient(shard), used[b])
-            self.optimizer.step()
-            master.clear_grads()
-            master.write_back()
+            waiting.append(master)
+            if master.flat.replicated or shard.dtype != torch.float32:
+                self._step_masters(waiting)
+                waiting = []
             if master.flat.replicated:  # stage 3 keeps parameters sharded: nothing to gather
                 gathers.append(master.flat.all_gather(self.group))
+        self._step_masters(waiting)
         for gather in gathers:
             gather.wait()
+
+    def _step_masters(self, masters: list[MasterShard]) -> None:
+        if not masters:
+            return
+        self.optimizer.step()
+        for master in masters:
+            master.clear_grads()
+            master.write_back()
 
     def _prepare_gradients(self) -> list[torch.Tensor]:
         """Phase 1, once per step: reduce, then (fp16) detect overflow and plan the unscale.
