@@ -5,6 +5,7 @@
 - `latest(root)` -> the newest complete checkpoint under ``root``
 - `consolidate(path, out_file, dtype=None)` -> one plain safetensors file
 - `verify(path)`, `inspect(path)`
+- `load_pretrained(model, files, *, strict=True)`: plain safetensors weights into shards
 
 The format is described in `zerolite.checkpoint.format`.
 """
@@ -12,6 +13,7 @@ The format is described in `zerolite.checkpoint.format`.
 from zerolite.checkpoint.consolidate import consolidate, inspect, verify
 from zerolite.checkpoint.format import CheckpointError
 from zerolite.checkpoint.load import load
+from zerolite.checkpoint.pretrained import load_pretrained
 from zerolite.checkpoint.save import latest, save
 
-__all__ = ["CheckpointError", "consolidate", "inspect", "latest", "load", "save", "verify"]
+__all__ = ["CheckpointError", "consolidate", "inspect", "latest", "load", "load_pretrained", "save", "verify"]

@@ -1,0 +1,159 @@
+"""`load_pretrained`: plain safetensors weights straight into a sharded model.
+
+Files are ordinary ``model.safetensors`` files (or a sharded set with its
+``*.safetensors.index.json``), not zerolite checkpoints. Each rank reads only the element
+ranges it owns: a flat range of a parameter is read as the rows of its first dimension
+that cover it (``get_slice``), so a rank's peak is about its shard plus one row, never a
+full file. Names are checked against the model (tied weights may appear under any of
+their names) before anything changes, and all ranks agree on the verdict.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from zerolite.checkpoint.format import CheckpointError
+from zerolite.checkpoint.save import model_only_tensors
+from zerolite.consensus import RankMismatchError, agree
+from zerolite.zero import SHARDED_OPTIMIZER_ATTR
+
+__all__ = ["load_pretrained"]
+
+
+def _files(files: str | os.PathLike | Sequence[str | os.PathLike]) -> list[Path]:
+    items = [files] if isinstance(files, (str, os.PathLike)) else list(files)
+    out: list[Path] = []
+    for item in map(Path, items):
+        if item.name.endswith(".index.json"):
+            weight_map = json.loads(item.read_text())["weight_map"]
+            out += [item.parent / f for f in dict.fromkeys(weight_map.values())]
+        else:
+            out.append(item)
+    for path in out:
+        if not path.is_file():
+            raise CheckpointError(f"{path}: no such safetensors file")
+    return out
+
+
+def _read_range(path: Path, key: str, start: int, end: int) -> torch.Tensor:
+    """Elements [start, end) of the flattened tensor ``key``, reading only covering rows."""
+    with safe_open(path, framework="pt") as f:
+        view = f.get_slice(key)
+        shape = view.get_shape()
+        if len(shape) <= 1:
+            return view[start:end].reshape(-1)
+        row = 1
+        for n in shape[1:]:
+            row *= n
+        first, last = start // row, -(-end // row)
+        rows = view[first:last].reshape(-1)
+    return rows[start - first * row : end - first * row]
+
+
+@torch.no_grad()
+def load_pretrained(
+    model: nn.Module, files: str | os.PathLike | Sequence[str | os.PathLike], *, strict: bool = True
+) -> None:
+    """Load plain safetensors weights into a model sharded by `zerolite.shard` (any stage).
+
+    Every rank must call. Parameters go into this rank's fp32 master pieces (and from
+    there into the parameter storage; stages 1-2 then all-gather), frozen stage-3
+    parameters into their shards, buffers and non-sharded parameters whole.
+
+    Args:
+        model: the sharded model.
+        files: a ``.safetensors`` file, several, or a ``*.safetensors.index.json``.
+        strict: every parameter and persistent buffer must be in the files, and every
+            tensor in the files must belong to the model.
+    Raises:
+        zerolite.checkpoint.CheckpointError: on every rank, before anything changes: a
+            missing or unexpected name (strict), or a shape that differs.
+    """
+    opt = getattr(model, SHARDED_OPTIMIZER_ATTR, None)
+    if opt is None:
+        raise ValueError("load_pretrained() needs a model sharded by zerolite.shard(); call shard() first")
+    error: BaseException | None = None
+    plan: list = []
+    try:
+        plan = _plan(model, opt, _files(files), strict)
+    except Exception as exc:  # every rank must learn of it
+        error = exc
+    try:
+        agree("zerolite.checkpoint.load_pretrained()", [], error, opt.group)
+    except RankMismatchError as exc:
+        raise CheckpointError(str(exc)) from exc
+    for target, values in plan:
+        target.copy_(values.reshape(target.shape))
+    for master in opt.masters:
+        master.write_back()
+    gathers = [m.flat.all_gather(opt.group) for m in opt.masters if m.flat.replicated]
+    for gather in gathers:
+        gather.wait()
+
+
+def _plan(model: nn.Module, opt, paths: list[Path], strict: bool) -> list[tuple[torch.Tensor, torch.Tensor]]:  # noqa: ANN001
+    """Read everything this rank needs; (destination, values) pairs. Changes nothing."""
+    where: dict[str, tuple[Path, list[int]]] = {}
+    for path in paths:
+        with safe_open(path, framework="pt") as f:
+            for key in f.keys():
+                where[key] = (path, list(f.get_slice(key).get_shape()))
+    aliases: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(p), []).append(name)
+
+    def source(name: str, tensor: torch.Tensor) -> str | None:
+        for candidate in aliases.get(id(tensor), [name]):
+            if candidate in where:
+                if where[candidate][1] != list(tensor.shape):
+                    raise CheckpointError(
+                        f"{candidate!r}: shape {where[candidate][1]} in {where[candidate][0]}, model {list(tensor.shape)}"
+                    )
+                return candidate
+        return None
+
+    plan: list[tuple[torch.Tensor, torch.Tensor]] = []
+    missing: list[str] = []
+    used: set[str] = set()
+    for flat, pieces in [(m.flat, m.pieces) for m in opt.masters] + [(f, None) for f in opt.frozen_flats]:
+        keys = [source(name, p) for name, p in zip(flat.names, flat.params)]
+        missing += [name for name, key in zip(flat.names, keys) if key is None]
+        used.update(key for key in keys if key is not None)
+        for k, piece in enumerate(flat.pieces):
+            key = keys[piece.index]
+            if key is None:
+                continue
+            values = _read_range(where[key][0], key, piece.param_start, piece.param_end)
+            dest = pieces[k] if pieces is not None else flat.shard[piece.shard_start : piece.shard_start + piece.numel]
+            plan.append((dest, values.to(dest.dtype)))
+    persistent = set(_persistent_buffer_names(model))
+    for name, tensor in model_only_tensors(model, opt).items():
+        key = source(name, tensor)
+        if key is None:
+            if name in persistent or isinstance(tensor, nn.Parameter):
+                missing.append(name)
+            continue
+        used.add(key)
+        with safe_open(where[key][0], framework="pt") as f:
+            plan.append((tensor, f.get_tensor(key).to(tensor.dtype)))
+    if strict and missing:
+        raise CheckpointError(f"load_pretrained: not in the files: {sorted(set(missing))[:8]}")
+    unexpected = sorted(set(where) - used)
+    if strict and unexpected:
+        raise CheckpointError(f"load_pretrained: not in the model: {unexpected[:8]}")
+    return plan
+
+
+def _persistent_buffer_names(model: nn.Module) -> list[str]:
+    names = []
+    for prefix, module in model.named_modules():
+        dot = f"{prefix}." if prefix else ""
+        names += [dot + n for n, b in module._buffers.items() if b is not None and n not in module._non_persistent_buffers_set]
+    return names
