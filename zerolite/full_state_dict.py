@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from zerolite.checkpoint.save import state_dict_names
 from zerolite.gathered import iter_full_state_dict
 from zerolite.zero import UNITS_ATTR
 
@@ -41,18 +42,7 @@ def full_state_dict(model: nn.Module, rank0_only: bool = True, to_cpu: bool = Tr
             items[name] = tensor
     if not keep:
         return {}
-    order = _state_dict_order(model, scheduler)
-    return {name: items[name] for name in order}
-
-
-def _state_dict_order(model: nn.Module, scheduler) -> list[str]:  # noqa: ANN001
-    if scheduler is not None:
-        scheduler.allow_state_dict = True
-    try:
-        return list(model.state_dict(keep_vars=True))
-    finally:
-        if scheduler is not None:
-            scheduler.allow_state_dict = False
+    return {name: items[name] for name in state_dict_names(model)}
 
 
 def _rank() -> int:

@@ -20,7 +20,7 @@ from safetensors import safe_open
 from torch import nn
 
 from zerolite.checkpoint.format import CheckpointError
-from zerolite.checkpoint.save import model_only_tensors
+from zerolite.checkpoint.save import model_only_tensors, state_dict_names
 from zerolite.consensus import RankMismatchError, agree
 from zerolite.zero import SHARDED_OPTIMIZER_ATTR
 
@@ -133,11 +133,11 @@ def _plan(model: nn.Module, opt, paths: list[Path], strict: bool) -> list[tuple[
             values = _read_range(where[key][0], key, piece.param_start, piece.param_end)
             dest = pieces[k] if pieces is not None else flat.shard[piece.shard_start : piece.shard_start + piece.numel]
             plan.append((dest, values.to(dest.dtype)))
-    persistent = set(_persistent_buffer_names(model))
+    in_state_dict = set(state_dict_names(model))
     for name, tensor in model_only_tensors(model, opt).items():
         key = source(name, tensor)
         if key is None:
-            if name in persistent or isinstance(tensor, nn.Parameter):
+            if name in in_state_dict:  # a parameter or persistent buffer
                 missing.append(name)
             continue
         used.add(key)
@@ -149,11 +149,3 @@ def _plan(model: nn.Module, opt, paths: list[Path], strict: bool) -> list[tuple[
     if strict and unexpected:
         raise CheckpointError(f"load_pretrained: not in the model: {unexpected[:8]}")
     return plan
-
-
-def _persistent_buffer_names(model: nn.Module) -> list[str]:
-    names = []
-    for prefix, module in model.named_modules():
-        dot = f"{prefix}." if prefix else ""
-        names += [dot + n for n, b in module._buffers.items() if b is not None and n not in module._non_persistent_buffers_set]
-    return names

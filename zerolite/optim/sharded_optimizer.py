@@ -4,10 +4,11 @@ One `step()` runs in three phases (DESIGN §2):
 
 1. **Reduce**: every bucket's gradients are averaged over ranks into this rank's
    shard (stage 2 did most of this during backward; stage 1 does it now).
-2. **Update**, bucket by bucket: the shard's gradient (upcast to fp32 if needed, one
-   bucket at a time) is attached to the fp32 master pieces, the user's optimizer steps
-   them, the master is cast down into the parameter shard, and the bucket's all-gather
-   is launched -- so it overlaps the next bucket's update.
+2. **Update**: the shard's gradient (upcast to fp32 if needed, one bucket at a time)
+   is attached to the fp32 master pieces, the user's optimizer steps them, the master
+   is cast down into the parameter shard, and (stages 1-2) the bucket's all-gather is
+   launched -- so it overlaps the next bucket's update. Where nothing would overlap and
+   nothing is upcast (stage 3 in fp32), one optimizer step covers every bucket.
 3. **Gather**: wait for the all-gathers; every rank holds the full updated parameters.
 
 The user's optimizer object is kept: ``param_groups`` are the same dicts (schedulers
