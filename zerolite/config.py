@@ -125,6 +125,11 @@ class ZeroConfig:
         reshard_after_forward: stage 3: free each unit's full parameters after its
             forward (and gather again for backward). The root unit stays gathered from
             forward to backward either way. Env: ``ZEROLITE_RESHARD_AFTER_FORWARD``.
+        init_fn: for a model built under ``torch.device("meta")`` only: called as
+            ``init_fn(module)`` on every module (children before parents, as
+            ``nn.Module.apply``) once its parameters have storage, instead of each
+            module's own ``reset_parameters()``. It must draw from the default generator
+            only, so every rank computes the same values (see `zerolite.meta_init`).
 
     Raises:
         ValueError: a field (or its environment variable) holds an invalid value; the
@@ -141,6 +146,7 @@ class ZeroConfig:
     unit_modules: tuple[type[torch.nn.Module], ...] | Callable[[torch.nn.Module], bool] | None = None
     prefetch: int = _UNSET
     reshard_after_forward: bool = _UNSET
+    init_fn: Callable[[torch.nn.Module], None] | None = None
 
     def __post_init__(self) -> None:
         for name, (env, parse, default) in _ENV_FIELDS.items():
@@ -199,6 +205,8 @@ class ZeroConfig:
             raise ValueError(
                 f"ZeroConfig.reshard_after_forward: got {self.reshard_after_forward!r}; allowed: True or False"
             )
+        if self.init_fn is not None and not callable(self.init_fn):
+            raise ValueError(f"ZeroConfig.init_fn: got {self.init_fn!r}; allowed: None or a callable module -> None")
         eo = self.elementwise_optimizers
         if not isinstance(eo, tuple) or not all(
             isinstance(c, type) and issubclass(c, torch.optim.Optimizer) for c in eo

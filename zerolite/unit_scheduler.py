@@ -27,7 +27,9 @@ from torch.utils._pytree import tree_flatten
 from zerolite.collectives import Group, Pending
 from zerolite.flat_buffer import FlatParamBuffer
 
-__all__ = ["UnitScheduler"]
+__all__ = ["UNITS_ATTR", "UnitScheduler"]
+
+UNITS_ATTR = "_zerolite_units"  # on a sharded model: its UnitScheduler (None in stages 1-2)
 
 
 class UnitScheduler:

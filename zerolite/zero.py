@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from zerolite.bucket import GradBucket
+from zerolite import phases
 from zerolite.collectives import Group, broadcast
 from zerolite.config import ZeroConfig
 from zerolite.consensus import agree
@@ -30,11 +31,12 @@ from zerolite.flat_buffer import FlatParamBuffer
 from zerolite.grad_reducer import GradReducer
 from zerolite.hooks import KeepFullGrads, ShardGradsInBackward
 from zerolite.layout import bucket_partition
+from zerolite.meta_init import check_before_first_forward, materialize
 from zerolite.optim.contract import check_optimizer
 from zerolite.optim.master import MasterShard
 from zerolite.optim.sharded_optimizer import ShardedOptimizer
 from zerolite.params import guard_conversions, install_no_sync
-from zerolite.unit_scheduler import UnitScheduler
+from zerolite.unit_scheduler import UNITS_ATTR, UnitScheduler
 from zerolite.units import Unit, find_units
 
 __all__ = ["shard"]
@@ -42,7 +44,6 @@ __all__ = ["shard"]
 logger = logging.getLogger(__name__)
 
 _SHARDED_ATTR = "_zerolite_sharded"
-UNITS_ATTR = "_zerolite_units"  # stage 3: the model's UnitScheduler (None in stages 1-2)
 SHARDED_OPTIMIZER_ATTR = "_zerolite_optimizer"  # the ShardedOptimizer built for the model
 
 
@@ -56,6 +57,7 @@ class _Plan:
     frozen: list[tuple[int, nn.Parameter]]  # (group index, param) held by the optimizer, not trainable
     units: list[Unit] | None = None  # stage 3: the units, root last
     frozen_buckets: list[list[tuple[str, nn.Parameter]]] = dataclasses.field(default_factory=list)  # stage 3
+    on_meta: bool = False  # built under torch.device("meta"): materialised by zerolite.meta_init
 
     def describe(self, config: ZeroConfig, optimizer: torch.optim.Optimizer) -> list[str]:
         lines = [
@@ -63,6 +65,9 @@ class _Plan:
             f"reduce_dtype={config.reduce_dtype} bucket_size_mb={config.bucket_size_mb}",
             f"optimizer: {type(optimizer).__qualname__} with {len(optimizer.param_groups)} groups",
         ]
+        if self.on_meta:
+            init_fn = config.init_fn
+            lines.append(f"meta build on {self.device.type}: init_fn={getattr(init_fn, '__qualname__', init_fn)!r}")
         for g, group in enumerate(optimizer.param_groups):
             hyper = {k: v for k, v in group.items() if k != "params"}
             lines.append(f"group {g}: {sorted((k, repr(v)) for k, v in hyper.items())}")
@@ -125,7 +130,10 @@ def shard(
         error = exc
     agree("zerolite.shard()", lines, error, group)  # raises on every rank if any rank failed
     digest = hashlib.sha256("\n".join(lines).encode()).hexdigest()
-    return _build(model, optimizer, config, group, cast(_Plan, plan), digest)
+    with phases.phase("build"):
+        sharded = _build(model, optimizer, config, group, cast(_Plan, plan), digest)
+    phases.built(sharded)
+    return sharded
 
 
 def plan_layout(model: nn.Module, optimizer: torch.optim.Optimizer, config: ZeroConfig) -> _Plan:
@@ -180,25 +188,60 @@ def plan_layout(model: nn.Module, optimizer: torch.optim.Optimizer, config: Zero
             f"parameters are on mixed devices ({listed}); move the whole model to one device "
             "before shard()"
         )
-    device = config.device if config.device is not None else devices.pop()
+    source = devices.pop()
+    on_meta = source.type == "meta"
+    if on_meta:
+        _check_meta_build(optimizer, config)
+        device = config.device if config.device is not None else _default_device(config)
+    else:
+        _check_nothing_on_meta(model, source)
+        device = config.device if config.device is not None else source
     if config.stage == 3:
         # One flat buffer per unit, in the order backward completes them: the blocks in
         # reverse, then the root (its embedding's gradient is the last to arrive). Frozen
         # parameters are sharded too (a frozen base model is not replicated), in a
         # second buffer per unit without master or gradients.
         frozen_params = [(n, p) for n, p in model.named_parameters() if not p.requires_grad and p.is_floating_point()]
-        if any(p.device != device for _, p in frozen_params):
+        if any(p.device != source for _, p in frozen_params):
             raise ValueError("frozen parameters are on another device than the trained ones; move the whole model first")
         units = find_units(model, {id(p): n for n, p in [*managed, *frozen_params]}, config.unit_modules)
         ordered_units = [*reversed(units[:-1]), units[-1]]
         buckets = [u.params for u in ordered_units if u.params]
         return _Plan(device=device, buckets=buckets, group_of=group_of, frozen=frozen, units=units,
-                     frozen_buckets=[u.frozen for u in units if u.frozen])
+                     frozen_buckets=[u.frozen for u in units if u.frozen], on_meta=on_meta)
     itemsize = torch.empty(0, dtype=config.param_dtype).element_size()
     ordered = list(reversed(managed))  # roughly the order in which backward yields gradients
     runs = bucket_partition([p.numel() * itemsize for _, p in ordered], config.bucket_bytes)
     buckets = [[ordered[i] for i in run] for run in runs]
-    return _Plan(device=device, buckets=buckets, group_of=group_of, frozen=frozen)
+    return _Plan(device=device, buckets=buckets, group_of=group_of, frozen=frozen, on_meta=on_meta)
+
+
+def _default_device(config: ZeroConfig) -> torch.device:
+    """Where a meta-built model is materialised when ``config.device`` is None."""
+    if Group(config.process_group).backend == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _check_meta_build(optimizer: torch.optim.Optimizer, config: ZeroConfig) -> None:
+    if config.device is not None and config.device.type == "meta":
+        raise ValueError("ZeroConfig.device is 'meta'; name the device to materialise the model on, e.g. 'cpu' or 'cuda'")
+    if any(optimizer.state.get(p) for group in optimizer.param_groups for p in group["params"]):
+        raise ValueError(
+            "the optimizer has state for parameters on the meta device (it has stepped on a meta "
+            "model?); build the optimizer on the meta model and pass it to shard() before any step"
+        )
+
+
+def _check_nothing_on_meta(model: nn.Module, device: torch.device) -> None:
+    for kind, named in (("parameter", model.named_parameters()), ("buffer", model.named_buffers())):
+        for name, t in named:
+            if t.is_meta:
+                raise ValueError(
+                    f"{kind} {name!r} is on the meta device while the trained parameters are on {device}; "
+                    "build the whole model under torch.device('meta') (shard() then materialises it) "
+                    "or give it storage before shard()"
+                )
 
 
 def _build(
@@ -209,18 +252,32 @@ def _build(
     plan: _Plan,
     layout_digest: str,
 ) -> ShardedOptimizer:
-    # Every rank starts from rank 0's values, as with DDP. Trained buffers come first
-    # (their indices are also the gradient buckets'), then stage 3's frozen ones.
-    all_flats = [
-        _bound_flat(bucket, index, group, config, plan.device)
-        for index, bucket in enumerate([*plan.buckets, *plan.frozen_buckets])
-    ]
-    flats, frozen_flats = all_flats[: len(plan.buckets)], all_flats[len(plan.buckets) :]
+    # Trained buffers come first (their indices are also the gradient buckets'), then
+    # stage 3's frozen ones.
+    all_buckets = [*plan.buckets, *plan.frozen_buckets]
+
+    def make_flat(index: int) -> FlatParamBuffer:
+        return _bound_flat(all_buckets[index], index, group, config, plan.device)
+
+    if plan.on_meta:
+        # Every rank computes the same values from rank 0's generator: nothing to broadcast.
+        all_flats = materialize(
+            model, all_buckets, _closed_by_units(plan, all_buckets), make_flat,
+            param_dtype=config.param_dtype, device=plan.device, shard=config.stage == 3,
+            init_fn=config.init_fn, group=group,
+        )
+    else:
+        # Every rank starts from rank 0's values, as with DDP.
+        all_flats = [make_flat(index) for index in range(len(all_buckets))]
+        for flat in all_flats:
+            broadcast(flat.data, 0, group)
+        if config.stage == 3:
+            for flat in all_flats:
+                flat.shard_only()
     for buf in model.buffers():
-        broadcast(buf.data, 0, group)
-    if config.stage == 3:
-        for flat in [*flats, *frozen_flats]:
-            flat.shard_only()
+        if not buf.is_meta:  # non-persistent buffers a meta build could not fill (see meta_init)
+            broadcast(buf.data, 0, group)
+    flats, frozen_flats = all_flats[: len(plan.buckets)], all_flats[len(plan.buckets) :]
     masters = [MasterShard(flat) for flat in flats]
     _repoint_optimizer(optimizer, plan, flats, masters)
     for flat in flats:
@@ -245,6 +302,7 @@ def _build(
         model, {id(p): (flat.data.dtype, flat.data.device) for flat in [*flats, *frozen_flats] for p in flat.params}
     )
     install_no_sync(model, reducer)
+    check_before_first_forward(model)
     setattr(model, _SHARDED_ATTR, True)
     setattr(model, UNITS_ATTR, scheduler)
     sharded = ShardedOptimizer(
@@ -269,11 +327,20 @@ def _build(
     return sharded
 
 
+def _closed_by_units(plan: _Plan, all_buckets: list[list[tuple[str, nn.Parameter]]]) -> dict[int, list[int]]:
+    """Stage 3: ``id(unit module) -> its buffer indices``, for every unit but the root."""
+    index_of = {id(bucket[0][1]): i for i, bucket in enumerate(all_buckets)}
+    return {
+        id(unit.module): [index_of[id(ps[0][1])] for ps in (unit.params, unit.frozen) if ps]
+        for unit in (plan.units or [])[:-1]
+    }
+
+
 @torch.no_grad()
 def _bound_flat(
     bucket: list[tuple[str, nn.Parameter]], index: int, group: Group, config: ZeroConfig, device: torch.device
 ) -> FlatParamBuffer:
-    """A flat buffer holding ``bucket``'s parameters, bound to them, with rank 0's values."""
+    """A flat buffer holding ``bucket``'s parameters, bound to them (their values copied in)."""
     flat = FlatParamBuffer(
         [p for _, p in bucket],
         [n for n, _ in bucket],
@@ -284,7 +351,6 @@ def _bound_flat(
         index=index,
     )
     flat.bind()
-    broadcast(flat.data, 0, group)
     return flat
 
 

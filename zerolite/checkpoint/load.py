@@ -30,7 +30,9 @@ from zerolite.checkpoint.format import (
     state_key,
 )
 from zerolite.checkpoint.save import model_only_tensors
+from zerolite import phases
 from zerolite.consensus import RankMismatchError, agree
+from zerolite.meta_init import mark_loaded
 from zerolite.optim.sharded_optimizer import ShardedOptimizer
 
 __all__ = ["load"]
@@ -184,7 +186,13 @@ def load(
         zerolite.checkpoint.CheckpointError: on every rank, before anything changes, if a
             file is missing, truncated or corrupt, or the checkpoint does not fit.
     """
-    path = Path(path)
+    with phases.phase("load"):
+        extra = _load(Path(path), model, optimizer, schedulers)
+    mark_loaded(model, None)
+    return extra
+
+
+def _load(path: Path, model: nn.Module, optimizer: ShardedOptimizer, schedulers: Sequence[Any]) -> Any:
     group = optimizer.group
     error: BaseException | None = None
     try:
@@ -229,16 +237,12 @@ def load(
         for key, value in saved.items():
             current = group_dict.get(key)
             group_dict[key] = tuple(value) if isinstance(current, tuple) else value
-    for master in optimizer.masters:
-        master.write_back()
-    gathers = [m.flat.all_gather(group) for m in optimizer.masters if m.flat.replicated]
-    for gather in gathers:
-        gather.wait()
     targets = model_only_tensors(model, optimizer)
     for name, tensor in model_tensors.items():
         targets[name].copy_(tensor)
     for flat, piece, values in frozen_pieces:
         flat.shard[piece.shard_start : piece.shard_start + piece.numel].copy_(values)
+    optimizer.publish_masters()
     if rng is not None:
         if index["world_size"] == group.size:
             torch.set_rng_state(rng)

@@ -21,7 +21,9 @@ from torch import nn
 
 from zerolite.checkpoint.format import CheckpointError
 from zerolite.checkpoint.save import model_only_tensors, state_dict_names
+from zerolite import phases
 from zerolite.consensus import RankMismatchError, agree
+from zerolite.meta_init import mark_loaded
 from zerolite.zero import SHARDED_OPTIMIZER_ATTR
 
 __all__ = ["load_pretrained"]
@@ -79,10 +81,16 @@ def load_pretrained(
     opt = getattr(model, SHARDED_OPTIMIZER_ATTR, None)
     if opt is None:
         raise ValueError("load_pretrained() needs a model sharded by zerolite.shard(); call shard() first")
+    with phases.phase("load"):
+        _load(model, opt, files, strict)
+
+
+def _load(model: nn.Module, opt, files: str | os.PathLike | Sequence[str | os.PathLike], strict: bool) -> None:  # noqa: ANN001
     error: BaseException | None = None
     plan: list = []
+    loaded: list[str] = []
     try:
-        plan = _plan(model, opt, _files(files), strict)
+        plan, loaded = _plan(model, opt, _files(files), strict)
     except Exception as exc:  # every rank must learn of it
         error = exc
     try:
@@ -91,15 +99,16 @@ def load_pretrained(
         raise CheckpointError(str(exc)) from exc
     for target, values in plan:
         target.copy_(values.reshape(target.shape))
-    for master in opt.masters:
-        master.write_back()
-    gathers = [m.flat.all_gather(opt.group) for m in opt.masters if m.flat.replicated]
-    for gather in gathers:
-        gather.wait()
+    opt.publish_masters()
+    mark_loaded(model, loaded)
+    phases.sample()
 
 
-def _plan(model: nn.Module, opt, paths: list[Path], strict: bool) -> list[tuple[torch.Tensor, torch.Tensor]]:  # noqa: ANN001
-    """Read everything this rank needs; (destination, values) pairs. Changes nothing."""
+def _plan(
+    model: nn.Module, opt, paths: list[Path], strict: bool  # noqa: ANN001
+) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], list[str]]:
+    """Read everything this rank needs: (destination, values) pairs and the names loaded.
+    Changes nothing."""
     where: dict[str, tuple[Path, list[int]]] = {}
     for path in paths:
         with safe_open(path, framework="pt") as f:
@@ -121,10 +130,12 @@ def _plan(model: nn.Module, opt, paths: list[Path], strict: bool) -> list[tuple[
 
     plan: list[tuple[torch.Tensor, torch.Tensor]] = []
     missing: list[str] = []
+    loaded: list[str] = []
     used: set[str] = set()
     for flat, pieces in [(m.flat, m.pieces) for m in opt.masters] + [(f, None) for f in opt.frozen_flats]:
         keys = [source(name, p) for name, p in zip(flat.names, flat.params)]
         missing += [name for name, key in zip(flat.names, keys) if key is None]
+        loaded += [name for name, key in zip(flat.names, keys) if key is not None]
         used.update(key for key in keys if key is not None)
         for k, piece in enumerate(flat.pieces):
             key = keys[piece.index]
@@ -141,6 +152,7 @@ def _plan(model: nn.Module, opt, paths: list[Path], strict: bool) -> list[tuple[
                 missing.append(name)
             continue
         used.add(key)
+        loaded.append(name)
         with safe_open(where[key][0], framework="pt") as f:
             plan.append((tensor, f.get_tensor(key).to(tensor.dtype)))
     if strict and missing:
@@ -148,4 +160,4 @@ def _plan(model: nn.Module, opt, paths: list[Path], strict: bool) -> list[tuple[
     unexpected = sorted(set(where) - used)
     if strict and unexpected:
         raise CheckpointError(f"load_pretrained: not in the model: {unexpected[:8]}")
-    return plan
+    return plan, loaded

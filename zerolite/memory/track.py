@@ -1,39 +1,73 @@
-"""`track`: peak memory by training phase (forward, backward, step).
+"""`track`: peak memory by phase (build, load, forward, backward, step).
 
 Inside ``with zerolite.memory.track(opt) as t:`` every forward, backward and optimizer
-step is attributed to a phase, and memory is sampled at each module's forward
-pre/post-hook, each parameter's gradient hook and around ``step()``:
+step is attributed to a phase; ``shard()`` (``"build"``, including a meta-device
+model's materialisation) and ``zerolite.checkpoint.load`` / ``load_pretrained``
+(``"load"``) announce themselves. ``track()`` without an optimizer watches those two and
+attaches to the optimizer ``shard()`` returns inside the block.
 
-- ``t.peaks[phase].zerolite``: the largest `footprint(opt)` total seen (bytes of
-  parameters, gradients, masters, optimizer state and transient buffers zerolite
-  knows of -- gathered stage-3 units and gradient buckets included);
+- ``t.peaks[phase].zerolite``: the largest `footprint(opt)` total seen at the sampling
+  points (module forward pre/post-hooks, gradient hooks, around ``step()``, after each
+  unit of a build and after a load), i.e. bytes of parameters, gradients, masters,
+  optimizer state and transient buffers zerolite knows of;
 - ``t.peaks[phase].process``: on CUDA, the allocator's peak allocated bytes during the
   phase (``torch.cuda.max_memory_allocated``, reset at each phase change); on CPU, the
-  largest growth of the process RSS (psutil) over its value when tracking began --
-  everything the process touched, activations and allocator caching included, sampled
-  at the hook points only.
+  peak growth of the process RSS over its value when tracking began -- everything the
+  process touched, activations, file pages read and allocator caching included. On
+  Linux this is the kernel's high-water mark (``VmHWM``, reset at each phase change
+  through ``/proc/self/clear_refs``), so nothing between two samples is missed;
+  elsewhere RSS is read at the sampling points only.
 
-Samples are taken from hooks, so a short-lived allocation between two hooks is not
-seen on CPU (the CUDA number does see it). Use it for "what does each phase cost",
-not for byte-exact accounting (that is `footprint`).
+One tracker at a time per process (the high-water mark is process-wide). Use it for "what
+does each phase cost"; byte-exact accounting of zerolite's own tensors is `footprint`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import re
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import psutil
 import torch
 
+from zerolite import phases
 from zerolite.memory.footprint import footprint
 from zerolite.optim.sharded_optimizer import ShardedOptimizer
 
 __all__ = ["track", "PhasePeak", "MemoryTracker"]
 
-PHASES = ("forward", "backward", "step")
+PHASES = ("build", "load", "forward", "backward", "step")
+
+
+class _ResidentPeak:
+    """This process's peak RSS since the last `reset` (Linux), else its current RSS."""
+
+    def __init__(self) -> None:
+        self._proc = psutil.Process()
+        self._status = Path("/proc/self/status")
+        self.exact = self._reset_high_water_mark()
+
+    def _reset_high_water_mark(self) -> bool:
+        try:
+            Path("/proc/self/clear_refs").write_text("5")  # 5: reset VmHWM to the current RSS
+            return "VmHWM" in self._status.read_text()
+        except OSError:
+            return False
+
+    def reset(self) -> None:
+        if self.exact:
+            self._reset_high_water_mark()
+
+    def read(self) -> int:
+        if self.exact:
+            match = re.search(r"VmHWM:\s+(\d+) kB", self._status.read_text())
+            if match:
+                return int(match.group(1)) * 1024
+        return self._proc.memory_info().rss
 
 
 @dataclasses.dataclass
@@ -47,13 +81,39 @@ class PhasePeak:
 class MemoryTracker:
     """Collects `PhasePeak`s; see `track`."""
 
-    def __init__(self, opt: ShardedOptimizer) -> None:
-        self.opt = opt
+    def __init__(self, opt: ShardedOptimizer | None) -> None:
+        self.opt: ShardedOptimizer | None = None
         self.peaks = {phase: PhasePeak() for phase in PHASES}
         self.phase: str | None = None
+        self.cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+        self._resident = _ResidentPeak()
+        self._rss0 = psutil.Process().memory_info().rss
+        self._handles: list[Any] = []
+        if opt is not None:
+            self.attach(opt)
+
+    def attach(self, opt: ShardedOptimizer) -> None:
+        """Attribute ``opt``'s model's forwards and backwards and ``opt``'s steps."""
+        self.opt = opt
         self.cuda = any(f.data.device.type == "cuda" for f in opt.flats)
-        self._proc = psutil.Process()
-        self._rss0 = self._proc.memory_info().rss
+        model = opt.model
+        hooks = self._handles
+        if model is not None:
+            # Forwards recomputed inside backward (activation checkpointing) stay in backward.
+            hooks.append(model.register_forward_pre_hook(
+                lambda *a: None if torch._C._current_graph_task_id() != -1 else self.enter("forward")))
+            for module in model.modules():
+                hooks.append(module.register_forward_pre_hook(lambda *a: self.sample()))
+                hooks.append(module.register_forward_hook(lambda *a: self.sample()))
+            for p in model.parameters():
+                if p.requires_grad:
+                    hooks.append(p.register_post_accumulate_grad_hook(self.on_gradient))
+        hooks.append(opt.register_step_pre_hook(lambda *a: self.enter("step")))
+        hooks.append(opt.register_step_post_hook(lambda *a: self.sample()))
+
+    def built(self, opt: ShardedOptimizer) -> None:
+        if self.opt is None:
+            self.attach(opt)
 
     def enter(self, phase: str) -> None:
         if phase == self.phase:
@@ -61,22 +121,31 @@ class MemoryTracker:
         self.sample()
         if self.cuda:
             torch.cuda.reset_peak_memory_stats()
+        self._resident.reset()
         self.phase = phase
         self.sample()
 
-    def sample(self) -> None:
+    def sample(self, held_bytes: int | None = None) -> None:
         if self.phase is None:
             return
         peak = self.peaks[self.phase]
-        peak.zerolite = max(peak.zerolite, footprint(self.opt).total)
+        if held_bytes is None and self.opt is not None:
+            held_bytes = footprint(self.opt).total
+        peak.zerolite = max(peak.zerolite, held_bytes or 0)
         if self.cuda:
             peak.process = max(peak.process, torch.cuda.max_memory_allocated())
         else:
-            peak.process = max(peak.process, self._proc.memory_info().rss - self._rss0)
+            peak.process = max(peak.process, self._resident.read() - self._rss0)
 
     def on_gradient(self, param: torch.Tensor) -> None:
         self.enter("backward")
         self.sample()
+
+    def close(self) -> None:
+        self.sample()
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
 
     def __str__(self) -> str:
         kind = "CUDA peak allocated" if self.cuda else "RSS growth"
@@ -87,33 +156,23 @@ class MemoryTracker:
 
 
 @contextlib.contextmanager
-def track(opt: ShardedOptimizer) -> Iterator[MemoryTracker]:
-    """Record peak memory per phase (forward, backward, step) of ``opt``'s model.
+def track(opt: ShardedOptimizer | None = None) -> Iterator[MemoryTracker]:
+    """Record this rank's peak memory per phase (see the module docstring).
 
-    Local to this rank (no communication). Example::
+    Local to this rank (no communication). Examples::
 
         with zerolite.memory.track(opt) as t:
             loss = model(x, y); loss.backward(); opt.step(); opt.zero_grad()
         print(t)  # peaks per phase
+
+        with zerolite.memory.track() as t:  # building and loading
+            opt = zerolite.shard(meta_model, opt, ZeroConfig(stage=3))
+            zerolite.checkpoint.load_pretrained(meta_model, "model.safetensors")
+        t.peaks["build"].process, t.peaks["load"].process
     """
     tracker = MemoryTracker(opt)
-    model = opt.model
-    handles: list[Any] = []
-    if model is not None:
-        # Forwards recomputed inside backward (activation checkpointing) stay in backward.
-        handles.append(model.register_forward_pre_hook(
-            lambda *a: None if torch._C._current_graph_task_id() != -1 else tracker.enter("forward")))
-        for module in model.modules():
-            handles.append(module.register_forward_pre_hook(lambda *a: tracker.sample()))
-            handles.append(module.register_forward_hook(lambda *a: tracker.sample()))
-        for p in model.parameters():
-            if p.requires_grad:
-                handles.append(p.register_post_accumulate_grad_hook(tracker.on_gradient))
-    handles.append(opt.register_step_pre_hook(lambda *a: tracker.enter("step")))
-    handles.append(opt.register_step_post_hook(lambda *a: tracker.sample()))
     try:
-        yield tracker
+        with phases.observe(tracker):
+            yield tracker
     finally:
-        tracker.sample()
-        for handle in handles:
-            handle.remove()
+        tracker.close()

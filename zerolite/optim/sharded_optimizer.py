@@ -35,6 +35,7 @@ from zerolite.optim.grad_clip import clip_coefficient, global_grad_norm
 from zerolite.optim.loss_scale import DynamicLossScaler
 from zerolite.optim.master import MasterShard
 from zerolite.optim.state_dict import load_sharded_state_dict, sharded_state_dict
+from zerolite.unit_scheduler import UNITS_ATTR
 
 __all__ = ["ShardedOptimizer"]
 
@@ -296,6 +297,22 @@ class ShardedOptimizer(torch.optim.Optimizer):
         before anything changes, if any rank got another rank's dict or another layout.
         """
         load_sharded_state_dict(self, state_dict)
+
+    def publish_masters(self) -> None:
+        """Make the parameters show masters and shards written outside `step` (by a load).
+
+        Frees stage-3 units that were gathered (their full copies predate the write; the
+        next use gathers them again), casts the masters into the parameter shards and
+        all-gathers replicated (stage 1-2) buffers. Every rank must call.
+        """
+        scheduler = getattr(self.model, UNITS_ATTR, None)
+        if scheduler is not None:
+            scheduler.reshard_all()
+        for master in self.masters:
+            master.write_back()
+        gathers = [m.flat.all_gather(self.group) for m in self.masters if m.flat.replicated]
+        for gather in gathers:
+            gather.wait()
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Not supported after `zerolite.shard`: add every group before sharding."""

@@ -83,9 +83,6 @@ def load_sharded_state_dict(opt: ShardedOptimizer, state_dict: dict[str, Any]) -
     opt.optimizer.load_state_dict({k: v for k, v in state_dict.items() if k != "zerolite"})
     for master, saved in zip(opt.masters, meta["masters"]):
         master.data.copy_(saved)
-        master.write_back()
-    gathers = [m.flat.all_gather(opt.group) for m in opt.masters if m.flat.replicated]
-    for gather in gathers:
-        gather.wait()
+    opt.publish_masters()
     if opt.loss_scaler is not None:
         opt.loss_scaler.load_state_dict(meta["loss_scaler"])
