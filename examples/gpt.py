@@ -59,13 +59,21 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(cfg.d_model)
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.head.weight = self.wte.weight  # tied
-        self.apply(self._init)
+        self.apply(self.init_weights)
 
     @staticmethod
-    def _init(module: nn.Module) -> None:
+    def init_weights(module: nn.Module) -> None:
+        """GPT-2's initialisation of one module (its own parameters only).
+
+        Also the ``ZeroConfig(init_fn=GPT.init_weights)`` of a build on the meta device,
+        which is why it sets every parameter, LayerNorms included.
+        """
         if isinstance(module, (nn.Linear, nn.Embedding)):
             nn.init.normal_(module.weight, std=0.02)
         if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+        if isinstance(module, nn.LayerNorm):
+            nn.init.ones_(module.weight)
             nn.init.zeros_(module.bias)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:

@@ -1,19 +1,21 @@
 """Train a small GPT with Accelerate + zerolite on the Python standard library's source.
 
     ACCELERATE_USE_CPU=1 accelerate launch --config_file examples/accelerate/cpu_2proc.yaml \\
-        examples/train_gpt.py [--stage 1|2|3] [--steps 200] [--resume]
+        examples/train_gpt.py [--stage 1|2|3] [--steps 200] [--resume] [--meta]
 
 The text is the standard library's own ``.py`` files, read at run time as bytes
 (vocabulary 256): nothing is downloaded. The only change from a stock Accelerate loop is
 ``ZeroAccelerator`` instead of ``Accelerator``. Rank 0 prints step, loss and tokens/s,
 then each rank's measured memory footprint next to what DDP would hold. A checkpoint is
 saved every ``--save-every`` steps under ``--out`` (``save_state``); ``--resume`` continues
-from the newest one. The stage comes from ``--stage`` or ``ZEROLITE_STAGE``.
+from the newest one. The stage comes from ``--stage`` or ``ZEROLITE_STAGE``. With ``--meta`` the model is built on the meta
+device (no memory) and ``shard()`` materialises it unit by unit with ``GPT.init_weights``.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import sysconfig
@@ -61,15 +63,18 @@ def main() -> None:
     parser.add_argument("--save-every", type=int, default=100)
     parser.add_argument("--out", default="runs/train_gpt", help="checkpoints go to OUT/checkpoints")
     parser.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in OUT")
+    parser.add_argument("--meta", action="store_true", help="build on the meta device; shard() materialises it")
     args = parser.parse_args()
 
     project = ProjectConfiguration(project_dir=args.out, automatic_checkpoint_naming=True, total_limit=2)
-    accelerator = ZeroAccelerator(project_config=project, zero_config=zerolite.ZeroConfig(stage=args.stage))
+    config = zerolite.ZeroConfig(stage=args.stage, init_fn=GPT.init_weights if args.meta else None)
+    accelerator = ZeroAccelerator(project_config=project, zero_config=config)
     rank, world = accelerator.process_index, accelerator.num_processes
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     torch.manual_seed(0)
     cfg = GPTConfig(vocab_size=256, seq_len=128, n_layer=4, n_head=4, d_model=128)
-    model = GPT(cfg)
+    with torch.device("meta") if args.meta else contextlib.nullcontext():
+        model = GPT(cfg)
     optimizer = torch.optim.AdamW(param_groups(model, weight_decay=0.1), lr=args.lr, betas=(0.9, 0.95))
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 20))
     model, optimizer, schedule = accelerator.prepare(model, optimizer, schedule)

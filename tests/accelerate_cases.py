@@ -19,6 +19,7 @@ from safetensors.torch import save_file
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import zerolite  # noqa: E402
+from examples.gpt import GPT  # noqa: E402
 from tests import parity  # noqa: E402
 from zerolite.accelerate import ZeroAccelerator  # noqa: E402
 from zerolite.memory import footprint  # noqa: E402
@@ -30,9 +31,18 @@ def schedule(opt: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler
     return torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + 0.1 * s))
 
 
+def make_model(meta: bool) -> torch.nn.Module:
+    """The parity model; with ``meta``, built on the meta device (seed 0, as make_model)."""
+    if not meta:
+        return parity.make_model()
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        return GPT(parity.TINY)
+
+
 def _loop(accelerator, stage: int | None, *, accumulate: int = 1, micro_batches: int = STEPS, clip: float | None = None,
-          save_at: int | None = None, out: Path | None = None, resume: Path | None = None) -> dict:
-    model = parity.make_model()
+          save_at: int | None = None, out: Path | None = None, resume: Path | None = None, meta: bool = False) -> dict:
+    model = make_model(meta)
     opt = parity.make_optimizer("AdamW", model)
     sched = schedule(opt)
     loader = torch.utils.data.DataLoader(_Batches(micro_batches), batch_size=1)
@@ -100,13 +110,16 @@ def run_case(name: str, out_dir: Path) -> None:
         kwargs.update(save_at=2, out=out_dir / "accelerate_state")
         if name.startswith("resume"):
             kwargs["resume"] = out_dir / "accelerate_state"
+    config = zerolite.ZeroConfig(stage=stage) if stage is not None else None
+    if name.startswith("meta"):  # built on the meta device, materialised by shard()
+        kwargs["meta"] = True
+        config = zerolite.ZeroConfig(stage=stage, init_fn=GPT.init_weights)
     if stage is None:  # stock Accelerate with DDP, for the parity bar
         from accelerate import Accelerator
 
         accelerator = Accelerator(**acc_kwargs)
     else:
-        accelerator = ZeroAccelerator(zero_config=None if name.startswith("bf16") else zerolite.ZeroConfig(stage=stage),
-                                      **acc_kwargs)
+        accelerator = ZeroAccelerator(zero_config=None if name.startswith("bf16") else config, **acc_kwargs)
     result = _loop(accelerator, stage, **kwargs)
     if accelerator.is_main_process:
         state = {k: v.detach().float().contiguous().clone() for k, v in result["state"].items()}

@@ -20,6 +20,7 @@ from safetensors.torch import load_file
 
 import zerolite
 from tests import accelerate_cases as cases
+from examples.gpt import GPT
 from tests import parity
 from zerolite.testing import run_ranks
 
@@ -44,7 +45,7 @@ def _launch(out: Path, *names: str, extra_args: tuple[str, ...] = (), config: Pa
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("accelerate")
-    _launch(out, "stage1", "stage2", "stage3", "ddp", "save2", "ddp_accum", "accum2")
+    _launch(out, "stage1", "stage2", "stage3", "ddp", "save2", "ddp_accum", "accum2", "meta3")
     _launch(out, "bf16_2")
     _launch(out, "resume2")  # new processes, loading what save2 wrote
     return out
@@ -54,13 +55,13 @@ def _result(out: Path, name: str) -> tuple[dict[str, torch.Tensor], list[dict]]:
     return load_file(str(out / f"{name}.safetensors")), json.loads((out / f"{name}.json").read_text())
 
 
-def _torchrun_loop(stage: int) -> dict[str, torch.Tensor]:
+def _torchrun_loop(stage: int, meta: bool = False) -> dict[str, torch.Tensor]:
     """The same loop with zerolite.shard directly; the scheduler steps once per process per
     optimizer step, as Accelerate's scheduler wrapper does without split_batches."""
-    model = parity.make_model()
+    model = cases.make_model(meta)
     opt = parity.make_optimizer("AdamW", model)
     sched = cases.schedule(opt)
-    opt = zerolite.shard(model, opt, zerolite.ZeroConfig(stage=stage))
+    opt = zerolite.shard(model, opt, zerolite.ZeroConfig(stage=stage, init_fn=GPT.init_weights if meta else None))
     for x, y in parity.batches(cases.STEPS):
         model(parity.local_slice(x), parity.local_slice(y)).backward()
         opt.step()
@@ -105,6 +106,14 @@ def test_zero_accelerator_is_bitwise_the_torchrun_loop_and_within_ddp_parity(run
     ddp_err, zl_err = _errors(ddp_state, reference), _errors(state, reference)
     bad = {k: (e, ddp_err[k]) for k, e in zl_err.items() if not e <= max(2 * ddp_err[k], 1e-6)}
     assert bad == {}
+
+
+def test_meta_built_model_through_zero_accelerator_matches_the_torchrun_loop(runs):
+    state, _ = _result(runs, "meta3")
+    expected = run_ranks(_torchrun_loop, 2, 3, True, timeout=120)[0]
+    assert state.keys() == expected.keys()
+    for k, v in expected.items():
+        assert torch.equal(state[k], v.float()), k
 
 
 def test_accumulation_and_clipping_through_accelerate(runs):

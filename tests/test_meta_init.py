@@ -24,7 +24,7 @@ class PlainGPT(GPT):
     kind of model whose meta build equals its normal build (see zerolite.meta_init)."""
 
     @staticmethod
-    def _init(module: nn.Module) -> None:
+    def init_weights(module: nn.Module) -> None:
         pass
 
 
@@ -69,7 +69,20 @@ def _meta_equals_normal() -> dict:
         model = PlainGPT(parity.TINY)
     zerolite.shard(model, parity.make_optimizer("AdamW", model), zerolite.ZeroConfig(stage=3))
     out["seeded_per_rank"] = zerolite.full_state_dict(model, rank0_only=False)
+    out["init_fn"] = _init_fn_build()
     return out
+
+
+def _init_fn_build() -> dict[str, torch.Tensor]:
+    """The example GPT (whose __init__ applies its own init) on meta with init_fn."""
+    torch.manual_seed(5)
+    with torch.device("meta"):
+        model = GPT(parity.TINY)
+    config = zerolite.ZeroConfig(stage=3, init_fn=GPT.init_weights)
+    opt = zerolite.shard(model, parity.make_optimizer("AdamW", model), config)
+    initial = zerolite.full_state_dict(model, rank0_only=False)
+    _train_three_steps(model, opt)  # runs: every tensor was initialised
+    return initial
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
@@ -77,11 +90,14 @@ def test_meta_build_equals_the_normal_build(world_size):
     results = run_ranks(_meta_equals_normal, world_size, timeout=120)
     torch.manual_seed(3)
     reference = PlainGPT(parity.TINY).state_dict()
+    single_process = _init_fn_build()
     for rank, r in enumerate(results):
         for stage in (1, 2, 3):
             assert r[stage]["initial"] and r[stage]["trained"], (rank, stage, r[stage])
             assert r[stage]["rng"] == (rank == 0), (rank, stage)  # rank 0 advanced as a normal build
         assert _equal(r["seeded_per_rank"], reference), rank  # rank 0's seed (3), on every rank
+        # init_fn: not a normal build's values, but the same at every world size.
+        assert _equal(r["init_fn"], single_process), rank
 
 
 # -- a transformers-style model: GPT-2's Conv1D has no reset_parameters() ----------------
@@ -263,3 +279,48 @@ def test_meta_build_and_load_pretrained_peak_memory_at_n4(tmp_path):
         assert r["load"] <= bound, (rank, r["load"] / 1e6, bound / 1e6)
         assert r["build"] > 0.25 * r["held"], r  # the measurement sees the shards being made
         assert r["finite"] and r["exact"], r
+
+
+# -- bad input: a clear error, nothing changed -------------------------------------------
+class Overreaching(nn.Module):
+    """Its reset_parameters() writes a parameter of another stage-3 unit."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(4, 4) for _ in range(2))
+        self.head = nn.Linear(4, 2)
+
+    def reset_parameters(self) -> None:
+        nn.init.zeros_(self.blocks[0].weight)
+
+
+def test_meta_build_bad_input_is_refused_clearly():
+    def meta_model() -> nn.Module:
+        with torch.device("meta"):
+            return nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+
+    model = meta_model()
+    with pytest.raises(ValueError, match="ZeroConfig.device is 'meta'"):
+        zerolite.shard(model, torch.optim.AdamW(model.parameters()), zerolite.ZeroConfig(device="meta"))
+    opt = torch.optim.AdamW(model.parameters())
+    opt.state[model[0].weight]["step"] = torch.tensor(1.0)
+    with pytest.raises(ValueError, match="optimizer has state for parameters on the meta device"):
+        zerolite.shard(model, opt)
+    assert all(p.is_meta for p in model.parameters())  # nothing materialised
+    with pytest.raises(ValueError, match="init_fn"):
+        zerolite.ZeroConfig(init_fn=3)
+
+    real = nn.Linear(4, 4)
+    real.register_buffer("scale", torch.empty(4, device="meta"))
+    with pytest.raises(ValueError, match="buffer 'scale' is on the meta device while the trained parameters are on cpu"):
+        zerolite.shard(real, torch.optim.AdamW(real.parameters()))
+
+    with torch.device("meta"):
+        overreaching = Overreaching()
+    with pytest.raises(RuntimeError, match=r"reset_parameters\(\) of module '<root>' \(Overreaching\).*only write its own"):
+        zerolite.shard(overreaching, torch.optim.AdamW(overreaching.parameters()), zerolite.ZeroConfig(stage=3))
+
+    model = meta_model()
+    with pytest.raises(RuntimeError, match=r"ZeroConfig.init_fn of module '0' \(Linear\) failed.*boom"):
+        zerolite.shard(model, torch.optim.AdamW(model.parameters()),
+                       zerolite.ZeroConfig(init_fn=lambda m: (_ for _ in ()).throw(ValueError("boom"))))

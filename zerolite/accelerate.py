@@ -15,6 +15,8 @@ are wrong for sharded state (DESIGN §6, measured on accelerate 1.15):
 - ``accumulate()`` enters ``model.no_sync()``: honoured in stage 1 (full gradients are
   kept anyway); stages >= 2 reduce-scatter every micro-step instead, keeping their
   memory saving (as Accelerate does for DeepSpeed ZeRO >= 2).
+- a model built under ``torch.device("meta")`` is not moved by ``prepare()``:
+  `zerolite.shard` materialises it on the accelerator's device (`zerolite.meta_init`).
 - ``mixed_precision: bf16`` means bf16 parameters with fp32 master shards
   (``param_dtype=torch.bfloat16``); ``fp16`` uses zerolite's loss scaler (CUDA only).
 """
@@ -75,6 +77,17 @@ def check_launch(accelerator: Accelerator) -> None:
             "ACCELERATE_USE_CPU=1 and a config with distributed_type: MULTI_GPU, use_cpu: true, "
             "num_processes: N (see examples/accelerate/); on GPUs check num_processes in the config."
         )
+
+
+def _on_meta(model: nn.Module) -> bool:
+    return any(p.is_meta for p in model.parameters())
+
+
+def _materialise_on(accelerator: Accelerator, model: nn.Module, config: ZeroConfig) -> ZeroConfig:
+    """A model built on the meta device is materialised on the accelerator's device."""
+    if _on_meta(model) and config.device is None:
+        return dataclasses.replace(config, device=accelerator.device)
+    return config
 
 
 class _ZeroMethods:
@@ -218,6 +231,8 @@ class ZeroAccelerator(_ZeroMethods, Accelerator):
         """Device placement and autocast as Accelerate does, but never a DDP wrapper."""
         if id(model) in self._zero_models:
             return self._zero_models[id(model)]
+        if _on_meta(model):  # built on meta: shard() materialises it on self.device
+            device_placement = False
         prepared = super().prepare_model(model, device_placement=device_placement, evaluation_mode=True)
         self._zero_models[id(model)] = prepared
         return prepared
@@ -232,7 +247,7 @@ class ZeroAccelerator(_ZeroMethods, Accelerator):
         if model is None:
             raise ValueError("prepare() needs the model together with its optimizer (or prepare the model first)")
         model = self.prepare_model(model)
-        sharded = shard(model, optimizer, self.zero_config)
+        sharded = shard(model, optimizer, _materialise_on(self, model, self.zero_config))
         self._zero_sharded.append((model, sharded))
         wrapped = _SkipAwareOptimizer(sharded, device_placement=False, scaler=None)
         self._optimizers.append(wrapped)
@@ -267,11 +282,11 @@ def setup(
         optimizer wrapped as Accelerate expects.
     """
     check_launch(accelerator)
-    model = accelerator.prepare_model(model, evaluation_mode=True)
+    model = accelerator.prepare_model(model, device_placement=False if _on_meta(model) else None, evaluation_mode=True)
     patched: Any = accelerator
     patched.zero_config = zero_config_for(accelerator, zero_config)
     patched.scaler = None
-    sharded = shard(model, optimizer, patched.zero_config)
+    sharded = shard(model, optimizer, _materialise_on(accelerator, model, patched.zero_config))
     patched._zero_sharded = [*getattr(patched, "_zero_sharded", []), (model, sharded)]
     for name in ("_sharded_optimizer", "no_sync", "clip_grad_norm_", "backward", "get_state_dict",
                  "_checkpoint_dir", "save_state", "load_state"):

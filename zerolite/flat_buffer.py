@@ -85,9 +85,14 @@ class FlatParamBuffer:
         """
         self.shard = self.shard.clone()
         self.replicated = False
-        nan = torch.full((1,), float("nan"), dtype=self.data.dtype, device=self.data.device)
-        self._placeholders = [nan.expand(shape) for shape in self.shapes]
+        self._nan = torch.full((1,), float("nan"), dtype=self.data.dtype, device=self.data.device)
+        self._placeholders = [self._nan.expand(shape) for shape in self.shapes]
         self.reshard()
+
+    def placeholder_written(self) -> bool:
+        """True if something wrote into the freed parameters (``fill_`` and ``zero_`` accept
+        a broadcast tensor, so the write landed in the shared NaN and is lost)."""
+        return not self.replicated and not bool(torch.isnan(self._nan).item())
 
     @property
     def unsharded(self) -> bool:

@@ -178,14 +178,18 @@ def _initialise(name: str, module: nn.Module, init_fn: Callable[[nn.Module], Non
     try:
         init_fn(module) if init_fn is not None else reset()
     except Exception as exc:
-        what = "ZeroConfig.init_fn" if init_fn is not None else "reset_parameters()"
-        raise RuntimeError(
-            f"{what} of module {name or '<root>'!r} ({type(module).__name__}) failed during zerolite's "
-            f"meta-device build: {exc}. Units are materialised one at a time, so an initialiser may "
-            "only write its own module's parameters and buffers. The model is left partly "
-            "materialised: build it again."
-        ) from exc
+        raise _init_error(name, module, init_fn, str(exc)) from exc
     return True
+
+
+def _init_error(name: str, module: nn.Module, init_fn: object, why: str) -> RuntimeError:
+    what = "ZeroConfig.init_fn" if init_fn is not None else "reset_parameters()"
+    return RuntimeError(
+        f"{what} of module {name or '<root>'!r} ({type(module).__name__}) failed during zerolite's "
+        f"meta-device build: {why}. Units are materialised one at a time, so an initialiser may "
+        "only write its own module's parameters and buffers. The model is left partly "
+        "materialised: build it again."
+    )
 
 
 @torch.no_grad()
@@ -223,6 +227,7 @@ def materialize(
     flats: list[FlatParamBuffer | None] = [None] * len(buckets)
     opened: set[int] = set()
     closed: set[int] = set()
+    sealed: list[FlatParamBuffer] = []  # sharded already: initialisers must not write them
     uninitialised: dict[str, str] = {}
     initialised_modules: set[int] = set()
 
@@ -244,6 +249,7 @@ def materialize(
                 uninitialised[name] = "parameter"
         if shard:
             flat.shard_only()
+            sealed.append(flat)
         phases.sample(sum(
             f.data.untyped_storage().nbytes() + (0 if f.replicated else f.shard.nbytes) for f in flats if f is not None
         ))
@@ -276,6 +282,8 @@ def materialize(
                 module._parameters[key] = nn.Parameter(_nan_like(p, device), requires_grad=p.requires_grad)
             if _initialise(name, module, init_fn):
                 initialised_modules.add(id(module))
+            if any(flat.placeholder_written() for flat in sealed):
+                raise _init_error(name, module, init_fn, "it wrote a parameter of a unit already sharded")
             module._parameters.update(tied)
             held.update(id(p) for p in module._parameters.values() if p is not None)
             for i in closed_by.get(id(module), []):
