@@ -19,7 +19,7 @@ _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 def add_estimate_arguments(parser: argparse.ArgumentParser) -> None:
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--params", type=float, help="number of parameters, e.g. 7.5e9")
-    source.add_argument("--model", help="module:function returning an nn.Module (built on CPU, counted exactly)")
+    source.add_argument("--model", help="module:function returning an nn.Module (built on the meta device: no memory; counted exactly)")
     parser.add_argument("--world-size", type=int, required=True)
     parser.add_argument("--dtype", choices=sorted(_DTYPES), default="bf16",
                         help="parameter dtype (default bf16: the ZeRO paper's mixed-precision accounting)")
@@ -37,7 +37,8 @@ def run_estimate(args: argparse.Namespace) -> int:
     if args.model:
         module, _, function = args.model.partition(":")
         sys.path.insert(0, os.getcwd())  # as `python -m` would: the user's own modules
-        subject = getattr(importlib.import_module(module), function)()
+        with torch.device("meta"):  # shapes are all the estimate needs: no memory, no init
+            subject = getattr(importlib.import_module(module), function)()
         count = sum(p.numel() for p in subject.parameters())
     else:
         subject = count = int(args.params)
