@@ -59,9 +59,13 @@ from torch import nn
 
 from zerolite import phases
 from zerolite.collectives import Group, all_gather_bytes
+from zerolite.config import ZeroConfig
 from zerolite.flat_buffer import FlatParamBuffer
 
-__all__ = ["MetaBuild", "check_before_first_forward", "mark_loaded", "materialize"]
+__all__ = [
+    "MetaBuild", "check_before_first_forward", "check_meta_build", "check_nothing_on_meta", "mark_loaded",
+    "materialize_device", "materialize",
+]
 
 PENDING_ATTR = "_zerolite_meta_build"  # the model's MetaBuild, until its first forward passes
 
@@ -110,6 +114,36 @@ def mark_loaded(model: nn.Module, names: list[str] | None) -> None:
         build.uninitialised.clear()
     for name in names or []:
         build.uninitialised.pop(name, None)
+
+
+def materialize_device(config: ZeroConfig) -> torch.device:
+    """Where a meta-built model is materialised when ``config.device`` is None."""
+    if Group(config.process_group).backend == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def check_meta_build(optimizer: torch.optim.Optimizer, config: ZeroConfig) -> None:
+    """`shard()`'s validation of a meta build, before anything changes."""
+    if config.device is not None and config.device.type == "meta":
+        raise ValueError("ZeroConfig.device is 'meta'; name the device to materialise the model on, e.g. 'cpu' or 'cuda'")
+    if any(optimizer.state.get(p) for group in optimizer.param_groups for p in group["params"]):
+        raise ValueError(
+            "the optimizer has state for parameters on the meta device (it has stepped on a meta "
+            "model?); build the optimizer on the meta model and pass it to shard() before any step"
+        )
+
+
+def check_nothing_on_meta(model: nn.Module, device: torch.device) -> None:
+    """A model that is not a meta build must have nothing on the meta device."""
+    for kind, named in (("parameter", model.named_parameters()), ("buffer", model.named_buffers())):
+        for name, t in named:
+            if t.is_meta:
+                raise ValueError(
+                    f"{kind} {name!r} is on the meta device while the trained parameters are on {device}; "
+                    "build the whole model under torch.device('meta') (shard() then materialises it) "
+                    "or give it storage before shard()"
+                )
 
 
 @contextlib.contextmanager

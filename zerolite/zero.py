@@ -5,7 +5,9 @@ the plan (`zerolite.consensus`). Then:
 
 - managed parameters (those the optimizer holds and that require grad) are packed into
   flat buffers of about ``bucket_size_mb``, in reverse registration order (roughly the
-  order backward produces gradients), and rank 0's values are broadcast, as DDP does;
+  order backward produces gradients), and rank 0's values are broadcast, as DDP does
+  (a model built on the meta device is materialised and initialised instead, unit by
+  unit, see `zerolite.meta_init`);
 - the optimizer's param groups are re-pointed at fp32 master pieces and any existing
   state is re-sharded;
 - stage 1 wires `KeepFullGrads`, stage 2 `ShardGradsInBackward`; both share buckets,
@@ -31,7 +33,13 @@ from zerolite.flat_buffer import FlatParamBuffer
 from zerolite.grad_reducer import GradReducer
 from zerolite.hooks import KeepFullGrads, ShardGradsInBackward
 from zerolite.layout import bucket_partition
-from zerolite.meta_init import check_before_first_forward, materialize
+from zerolite.meta_init import (
+    check_before_first_forward,
+    check_meta_build,
+    check_nothing_on_meta,
+    materialize_device,
+    materialize,
+)
 from zerolite.optim.contract import check_optimizer
 from zerolite.optim.master import MasterShard
 from zerolite.optim.sharded_optimizer import ShardedOptimizer
@@ -98,8 +106,13 @@ def shard(
     structure, optimizer class and groups, and config; a mismatch raises
     `zerolite.RankMismatchError` on every rank instead of hanging.
 
+    A model built under ``torch.device("meta")`` is materialised on ``config.device``
+    one unit at a time and initialised by ``config.init_fn`` or its modules'
+    ``reset_parameters()`` (see `zerolite.meta_init`); tensors nothing initialised must
+    be loaded (`zerolite.checkpoint.load_pretrained`) before the first forward.
+
     Args:
-        model: any ``nn.Module`` whose parameters are on one device.
+        model: any ``nn.Module`` whose parameters are on one device (``meta`` included).
         optimizer: the user's optimizer over (some of) ``model``'s parameters; an
             elementwise class (Adam, AdamW, SGD, Adagrad, RMSprop, Adamax, NAdam, RAdam)
             or one declared in ``config.elementwise_optimizers``.
@@ -191,10 +204,10 @@ def plan_layout(model: nn.Module, optimizer: torch.optim.Optimizer, config: Zero
     source = devices.pop()
     on_meta = source.type == "meta"
     if on_meta:
-        _check_meta_build(optimizer, config)
-        device = config.device if config.device is not None else _default_device(config)
+        check_meta_build(optimizer, config)
+        device = config.device if config.device is not None else materialize_device(config)
     else:
-        _check_nothing_on_meta(model, source)
+        check_nothing_on_meta(model, source)
         device = config.device if config.device is not None else source
     if config.stage == 3:
         # One flat buffer per unit, in the order backward completes them: the blocks in
@@ -214,34 +227,6 @@ def plan_layout(model: nn.Module, optimizer: torch.optim.Optimizer, config: Zero
     runs = bucket_partition([p.numel() * itemsize for _, p in ordered], config.bucket_bytes)
     buckets = [[ordered[i] for i in run] for run in runs]
     return _Plan(device=device, buckets=buckets, group_of=group_of, frozen=frozen, on_meta=on_meta)
-
-
-def _default_device(config: ZeroConfig) -> torch.device:
-    """Where a meta-built model is materialised when ``config.device`` is None."""
-    if Group(config.process_group).backend == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def _check_meta_build(optimizer: torch.optim.Optimizer, config: ZeroConfig) -> None:
-    if config.device is not None and config.device.type == "meta":
-        raise ValueError("ZeroConfig.device is 'meta'; name the device to materialise the model on, e.g. 'cpu' or 'cuda'")
-    if any(optimizer.state.get(p) for group in optimizer.param_groups for p in group["params"]):
-        raise ValueError(
-            "the optimizer has state for parameters on the meta device (it has stepped on a meta "
-            "model?); build the optimizer on the meta model and pass it to shard() before any step"
-        )
-
-
-def _check_nothing_on_meta(model: nn.Module, device: torch.device) -> None:
-    for kind, named in (("parameter", model.named_parameters()), ("buffer", model.named_buffers())):
-        for name, t in named:
-            if t.is_meta:
-                raise ValueError(
-                    f"{kind} {name!r} is on the meta device while the trained parameters are on {device}; "
-                    "build the whole model under torch.device('meta') (shard() then materialises it) "
-                    "or give it storage before shard()"
-                )
 
 
 def _build(
