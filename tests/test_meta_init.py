@@ -12,6 +12,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 import zerolite
+import zerolite.checkpoint
 from examples.gpt import GPT
 from tests import parity
 from zerolite.checkpoint import load_pretrained
@@ -185,6 +186,17 @@ def _conv1d_case(path: str) -> dict:
             "same_output": same_output,
             "same_params": _equal(zerolite.full_state_dict(model, rank0_only=False), normal.state_dict()),
         }
+    # Resuming from a zerolite checkpoint fills what nothing initialised, as load_pretrained does.
+    torch.manual_seed(11)
+    saved = GPT2Style()
+    saved_opt = zerolite.shard(saved, torch.optim.AdamW(saved.parameters()), zerolite.ZeroConfig(stage=2))
+    zerolite.checkpoint.save(f"{path}.ckpt", saved, saved_opt)
+    with torch.device("meta"):
+        model = GPT2Style().eval()
+    opt = zerolite.shard(model, torch.optim.AdamW(model.parameters()), zerolite.ZeroConfig(stage=3))
+    zerolite.checkpoint.load(f"{path}.ckpt", model, opt)
+    with torch.no_grad():
+        out["resumed"] = torch.equal(model(x), normal(x))
     with torch.device("meta"):
         rotary = nn.Sequential(Rotary(8), Rotary(8))
     zerolite.shard(rotary, torch.optim.SGD(rotary.parameters(), lr=0.1), zerolite.ZeroConfig(stage=3))
@@ -205,6 +217,7 @@ def test_meta_built_conv1d_model_needs_and_takes_pretrained_weights(tmp_path, wo
             assert "nothing initialised them" in message and "load_pretrained" in message, message
             assert "'h.0.c_attn.bias', 'h.0.c_attn.weight'" in message, message  # Conv1D's, named
             assert "ln_1" not in message and "wte" not in message  # reset_parameters() covered those
+        assert r["resumed"]
         message = r["rotary"]["refused"]
         assert "left on the meta device" in message and "['0.inv_freq', '1.inv_freq']" in message, message
         assert r["rotary"]["runs"]
@@ -258,7 +271,6 @@ def _big_memory_case(path: str) -> dict:
         "build": build.peaks["build"].process,
         "load": load.peaks["load"].process,
         "finite": bool(torch.isfinite(loss)),
-        "exact": build._resident.exact,
     }
 
 
@@ -278,7 +290,7 @@ def test_meta_build_and_load_pretrained_peak_memory_at_n4(tmp_path):
         assert r["build"] <= bound, (rank, r["build"] / 1e6, bound / 1e6)
         assert r["load"] <= bound, (rank, r["load"] / 1e6, bound / 1e6)
         assert r["build"] > 0.25 * r["held"], r  # the measurement sees the shards being made
-        assert r["finite"] and r["exact"], r
+        assert r["finite"], r
 
 
 # -- bad input: a clear error, nothing changed -------------------------------------------
