@@ -319,6 +319,10 @@ def test_meta_build_bad_input_is_refused_clearly():
     with pytest.raises(ValueError, match="optimizer has state for parameters on the meta device"):
         zerolite.shard(model, opt)
     assert all(p.is_meta for p in model.parameters())  # nothing materialised
+    view = model[1].weight.view(-1)
+    with pytest.raises(ValueError, match="meta parameter '1.weight' is referenced elsewhere"):
+        zerolite.shard(model, torch.optim.AdamW(model.parameters()))
+    del view
     with pytest.raises(ValueError, match="init_fn"):
         zerolite.ZeroConfig(init_fn=3)
 

@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import weakref
 from collections.abc import Callable, Iterator
 
 import torch
@@ -123,8 +124,15 @@ def materialize_device(config: ZeroConfig) -> torch.device:
     return torch.device("cpu")
 
 
-def check_meta_build(optimizer: torch.optim.Optimizer, config: ZeroConfig) -> None:
+def check_meta_build(model: nn.Module, optimizer: torch.optim.Optimizer, config: ZeroConfig) -> None:
     """`shard()`'s validation of a meta build, before anything changes."""
+    for name, p in model.named_parameters():
+        if p.is_meta and (weakref.getweakrefs(p) or p._use_count() > 1):
+            raise ValueError(
+                f"meta parameter {name!r} is referenced elsewhere (a view of it, an autograd graph or a "
+                "weak reference), so zerolite cannot give it storage in place; pass the model to "
+                "shard() as built, before running it or taking views of its parameters"
+            )
     if config.device is not None and config.device.type == "meta":
         raise ValueError("ZeroConfig.device is 'meta'; name the device to materialise the model on, e.g. 'cpu' or 'cuda'")
     if any(optimizer.state.get(p) for group in optimizer.param_groups for p in group["params"]):
@@ -186,19 +194,13 @@ def _nan_like(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 def _swap_in_placeholders(model: nn.Module, device: torch.device) -> list[nn.Parameter]:
     """Replace every meta parameter's tensor by a zero-memory NaN one on ``device``, in place."""
     swapped = []
-    for name, p in model.named_parameters():
+    for p in model.parameters():
         if not p.is_meta:
             continue
         fill = torch.full((1,), float("nan") if p.is_floating_point() else 0, dtype=p.dtype, device=device)
         placeholder = nn.Parameter(fill.expand(p.shape), requires_grad=p.requires_grad)
         placeholder.__dict__.update(p.__dict__)
-        try:
-            torch.utils.swap_tensors(p, placeholder)
-        except RuntimeError as exc:
-            raise RuntimeError(
-                f"cannot materialise meta parameter {name!r}: something else holds a reference to its "
-                f"tensor ({exc}). Build the model on meta and pass it to shard() untouched."
-            ) from exc
+        torch.utils.swap_tensors(p, placeholder)  # check_meta_build made sure it can
         swapped.append(p)
     return swapped
 

@@ -204,7 +204,7 @@ def plan_layout(model: nn.Module, optimizer: torch.optim.Optimizer, config: Zero
     source = devices.pop()
     on_meta = source.type == "meta"
     if on_meta:
-        check_meta_build(optimizer, config)
+        check_meta_build(model, optimizer, config)
         device = config.device if config.device is not None else materialize_device(config)
     else:
         check_nothing_on_meta(model, source)
