@@ -59,7 +59,7 @@ import torch
 from torch import nn
 
 from zerolite import phases
-from zerolite.collectives import Group, all_gather_bytes
+from zerolite.collectives import Group, broadcast
 from zerolite.config import ZeroConfig
 from zerolite.flat_buffer import FlatParamBuffer
 
@@ -158,15 +158,16 @@ def check_nothing_on_meta(model: nn.Module, device: torch.device) -> None:
 def _rank0_generators(device: torch.device, group: Group) -> Iterator[None]:
     """Draw from rank 0's generator states; afterwards rank 0 keeps the advanced states."""
     cuda = [device] if device.type == "cuda" else []
-    states = [torch.get_rng_state()] + [torch.cuda.get_rng_state(d) for d in cuda]
-    payload = b"".join(bytes(s.numpy()) for s in states)
-    rank0 = all_gather_bytes(payload, group)[0]
+    states = [torch.get_rng_state()] + [torch.cuda.get_rng_state(d) for d in cuda]  # uint8, same sizes on every rank
+    packed = torch.cat(states)
+    # NCCL broadcasts CUDA tensors only.
+    wire = packed.to(torch.device("cuda", torch.cuda.current_device())) if group.backend == "nccl" else packed
+    broadcast(wire, 0, group)
+    rank0 = wire.cpu().split([s.numel() for s in states])
     with torch.random.fork_rng(devices=cuda):
-        offset = 0
-        for i, state in enumerate(states):
-            own = torch.frombuffer(bytearray(rank0[offset : offset + state.numel()]), dtype=torch.uint8)
-            offset += state.numel()
-            torch.set_rng_state(own) if i == 0 else torch.cuda.set_rng_state(own, cuda[i - 1])
+        torch.set_rng_state(rank0[0].clone())
+        for d, state in zip(cuda, rank0[1:]):
+            torch.cuda.set_rng_state(state.clone(), d)
         yield
         after = [torch.get_rng_state()] + [torch.cuda.get_rng_state(d) for d in cuda]
     if group.rank == 0:

@@ -24,8 +24,8 @@ from typing import cast
 import torch
 from torch import nn
 
-from zerolite.bucket import GradBucket
 from zerolite import phases
+from zerolite.bucket import GradBucket
 from zerolite.collectives import Group, broadcast
 from zerolite.config import ZeroConfig
 from zerolite.consensus import agree
@@ -66,6 +66,17 @@ class _Plan:
     units: list[Unit] | None = None  # stage 3: the units, root last
     frozen_buckets: list[list[tuple[str, nn.Parameter]]] = dataclasses.field(default_factory=list)  # stage 3
     on_meta: bool = False  # built under torch.device("meta"): materialised by zerolite.meta_init
+
+    @property
+    def all_buckets(self) -> list[list[tuple[str, nn.Parameter]]]:
+        """Every flat buffer's parameters in index order: trained buffers (whose indices
+        are also the gradient buckets'), then stage 3's frozen ones."""
+        return [*self.buckets, *self.frozen_buckets]
+
+    def unit_buffers(self) -> list[list[int]]:
+        """Stage 3: each unit's buffer indices (trained, then frozen), root last."""
+        index_of = {id(bucket[0][1]): i for i, bucket in enumerate(self.all_buckets)}
+        return [[index_of[id(ps[0][1])] for ps in (u.params, u.frozen) if ps] for u in self.units or []]
 
     def describe(self, config: ZeroConfig, optimizer: torch.optim.Optimizer) -> list[str]:
         lines = [
@@ -237,17 +248,18 @@ def _build(
     plan: _Plan,
     layout_digest: str,
 ) -> ShardedOptimizer:
-    # Trained buffers come first (their indices are also the gradient buckets'), then
-    # stage 3's frozen ones.
-    all_buckets = [*plan.buckets, *plan.frozen_buckets]
+    all_buckets = plan.all_buckets
+    unit_buffers = plan.unit_buffers()
 
     def make_flat(index: int) -> FlatParamBuffer:
         return _bound_flat(all_buckets[index], index, group, config, plan.device)
 
     if plan.on_meta:
         # Every rank computes the same values from rank 0's generator: nothing to broadcast.
+        # A unit is complete once its module is initialised (the root: at the end).
+        closed_by = {id(u.module): b for u, b in zip((plan.units or [])[:-1], unit_buffers)}
         all_flats = materialize(
-            model, all_buckets, _closed_by_units(plan, all_buckets), make_flat,
+            model, all_buckets, closed_by, make_flat,
             param_dtype=config.param_dtype, device=plan.device, shard=config.stage == 3,
             init_fn=config.init_fn, group=group,
         )
@@ -282,7 +294,8 @@ def _build(
     grads = KeepFullGrads(reducer) if config.stage == 1 else ShardGradsInBackward(reducer)
     scheduler = None
     if plan.units is not None and isinstance(grads, ShardGradsInBackward):
-        scheduler = _schedule_units(plan.units, flats, frozen_flats, group, config, grads)
+        unit_flats = [[all_flats[i] for i in buffers] for buffers in unit_buffers]
+        scheduler = _schedule_units(plan.units, unit_flats, flats, group, config, grads)
     guard_conversions(
         model, {id(p): (flat.data.dtype, flat.data.device) for flat in [*flats, *frozen_flats] for p in flat.params}
     )
@@ -312,15 +325,6 @@ def _build(
     return sharded
 
 
-def _closed_by_units(plan: _Plan, all_buckets: list[list[tuple[str, nn.Parameter]]]) -> dict[int, list[int]]:
-    """Stage 3: ``id(unit module) -> its buffer indices``, for every unit but the root."""
-    index_of = {id(bucket[0][1]): i for i, bucket in enumerate(all_buckets)}
-    return {
-        id(unit.module): [index_of[id(ps[0][1])] for ps in (unit.params, unit.frozen) if ps]
-        for unit in (plan.units or [])[:-1]
-    }
-
-
 @torch.no_grad()
 def _bound_flat(
     bucket: list[tuple[str, nn.Parameter]], index: int, group: Group, config: ZeroConfig, device: torch.device
@@ -341,15 +345,13 @@ def _bound_flat(
 
 def _schedule_units(
     units: list[Unit],
+    unit_flats: list[list[FlatParamBuffer]],
     flats: list[FlatParamBuffer],
-    frozen_flats: list[FlatParamBuffer],
     group: Group,
     config: ZeroConfig,
     grads: ShardGradsInBackward,
 ) -> UnitScheduler:
     """Stage 3: unshard/reshard hooks, freed units when their gradients are in."""
-    flat_of = {id(flat.params[0]): flat for flat in [*flats, *frozen_flats]}
-    unit_flats = [[flat_of[id(ps[0][1])] for ps in (u.params, u.frozen) if ps] for u in units]
     scheduler = UnitScheduler(
         [u.module for u in units],
         unit_flats,

@@ -20,6 +20,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from zerolite import phases
 from zerolite.checkpoint.format import (
     CheckpointError,
     check_file,
@@ -30,7 +31,6 @@ from zerolite.checkpoint.format import (
     state_key,
 )
 from zerolite.checkpoint.save import model_only_tensors
-from zerolite import phases
 from zerolite.consensus import RankMismatchError, agree
 from zerolite.meta_init import mark_loaded
 from zerolite.optim.sharded_optimizer import ShardedOptimizer

@@ -19,9 +19,9 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from zerolite import phases
 from zerolite.checkpoint.format import CheckpointError
 from zerolite.checkpoint.save import model_only_tensors, state_dict_names
-from zerolite import phases
 from zerolite.consensus import RankMismatchError, agree
 from zerolite.meta_init import mark_loaded
 from zerolite.zero import SHARDED_OPTIMIZER_ATTR
@@ -101,7 +101,6 @@ def _load(model: nn.Module, opt, files: str | os.PathLike | Sequence[str | os.Pa
         target.copy_(values.reshape(target.shape))
     opt.publish_masters()
     mark_loaded(model, loaded)
-    phases.sample()
 
 
 def _plan(
