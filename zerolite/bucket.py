@@ -64,13 +64,16 @@ class GradBucket:
         # (stage 1: only from a step boundary's launch until `consume`).
         self.shard: torch.Tensor | None = None if keep_full else torch.zeros(n, dtype=shard_dtype, device=device)
         self.shard_is_zero = True
-        # Params of this bucket whose gradient reached `full` since the last launch.
-        self.ready = 0
         # Whether `full` holds gradients that no reduce-scatter has consumed yet.
         self.unreduced = False
         self._pending: Pending | None = None
         # Per param of the bucket: a gradient reached `full` since it was allocated.
         self._written = [False] * len(flat.params)
+        # Per param: a gradient arrived in a synced backward since the last launch; counted
+        # once per param, so a parameter that autograd reaches twice (reentrant
+        # checkpointing) cannot make the bucket look complete early.
+        self._arrived = [False] * len(flat.params)
+        self._arrived_count = 0
         self._result: torch.Tensor | None = None
         self._sent: torch.Tensor | None = None
 
@@ -93,6 +96,19 @@ class GradBucket:
         else:
             view.copy_(grad)
             self._written[index] = True
+        self.unreduced = True
+
+    def mark_arrived(self, index: int) -> bool:
+        """Param ``index``'s gradient of a synced backward is in; True once every param's is."""
+        if not self._arrived[index]:
+            self._arrived[index] = True
+            self._arrived_count += 1
+        return self._arrived_count == len(self._arrived)
+
+    @property
+    def complete(self) -> bool:
+        """Every param's gradient of the current synced backward has arrived."""
+        return self._arrived_count == len(self._arrived)
 
     def grad_view(self, index: int) -> torch.Tensor:
         """Param ``index``'s region of ``full``, in the param's shape."""
@@ -120,8 +136,12 @@ class GradBucket:
         out = self.shard if self.shard_is_zero else torch.empty_like(self.shard)
         self._pending = reduce_scatter_avg(send, out, self.group, tag=tag)
         self._result, self._sent = out, send
-        self.ready = 0
+        self._reset_arrivals()
         self.unreduced = False
+
+    def _reset_arrivals(self) -> None:
+        self._arrived = [False] * len(self._arrived)
+        self._arrived_count = 0
 
     def wait(self) -> None:
         """Finish the launched reduce-scatter and accumulate it into ``shard``."""
@@ -148,7 +168,7 @@ class GradBucket:
         if self.shard is not None and not self.shard_is_zero:
             self.shard.zero_()
             self.shard_is_zero = True
-        self.ready = 0
+        self._reset_arrivals()
         if not self.keep_full:
             self.full = None
             self.unreduced = False

@@ -15,10 +15,17 @@ oldest, which bounds the full-size gradient memory alive during backward.
 Which parameters got a gradient is tracked per rank (``local_used``) and combined over
 ranks at the step boundary (`global_used`): a parameter no rank produced a gradient
 for is skipped by the optimizer, as torch skips parameters whose ``grad`` is None.
+
+A gradient that arrives after its bucket was launched in the same backward (a
+parameter autograd reaches again, e.g. one used inside and outside a reentrant
+checkpoint) is kept as an unreduced local gradient: the step boundary's agreement sees it
+on some rank, and every rank reduce-scatters every bucket once more. Correct, at the cost
+of one more round of communication for that step.
 """
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 
 import torch
@@ -28,6 +35,8 @@ from zerolite.bucket import GradBucket
 from zerolite.collectives import Group, all_reduce
 
 __all__ = ["GradReducer"]
+
+logger = logging.getLogger(__name__)
 
 
 class GradReducer:
@@ -53,11 +62,34 @@ class GradReducer:
         # True inside model.no_sync(): gradients stay local, nothing launches.
         self.sync_disabled = False
 
+    def add_grad(self, b: int, i: int, grad: torch.Tensor) -> bool:
+        """Stage 2-3: param ``i`` of bucket ``b`` produced ``grad`` in backward.
+
+        Adds it into the bucket, records that this rank used the parameter and, unless
+        inside ``no_sync()``, launches every bucket that is now complete, in order.
+        Returns True when this gradient completed bucket ``b`` (its unit may be freed).
+        """
+        bucket = self.buckets[b]
+        if bucket.in_flight:
+            # A late gradient (see the module docstring): its bucket is already on its way.
+            logger.debug("%s %r got a gradient after its bucket was launched; it is reduced again "
+                         "at the step", self.group.prefix(), bucket.flat.names[i])
+            bucket.wait()
+        with torch.no_grad():
+            bucket.add_grad(i, grad)
+        self.local_used[b][i] = True
+        if self.sync_disabled:
+            return False
+        was_complete = bucket.complete
+        complete = bucket.mark_arrived(i)
+        self.launch_ready()
+        return complete and not was_complete
+
     def launch_ready(self) -> None:
         """Launch, in order, every bucket from the next one on whose gradients are complete."""
         while self._next_launch < len(self.buckets):
             bucket = self.buckets[self._next_launch]
-            if bucket.ready < len(bucket.flat.params):
+            if not bucket.complete:
                 return
             self._launch(bucket)
 
@@ -85,8 +117,9 @@ class GradReducer:
         Every rank must call this at the same step boundary.
         """
         if not self.reduced:
+            self._wait_in_flight()  # a shard is read only once its reduce-scatter has landed
             # Ranks may disagree on whether local gradients await reduction (no_sync
-            # leftovers, gradients assigned by hand), so decide together: one small
+            # leftovers, late or hand-assigned gradients), so decide together: one small
             # all-reduce carries the used-flags and an "unreduced" flag.
             unreduced = any(b.unreduced for b in self.buckets)
             flags = torch.cat([*self.local_used, torch.tensor([unreduced])]).to(torch.int32)
@@ -99,10 +132,19 @@ class GradReducer:
         return self.global_used
 
     def after_step(self) -> None:
-        """The step consumed the reduced gradients."""
-        for bucket in self.buckets:
-            bucket.consume()
-        self.reduced = False
+        """The step consumed the reduced gradients.
+
+        Stage 1 keeps its full gradients (``param.grad`` views them, as in torch, until
+        ``zero_grad``). Stages 2-3 forget the shards: users cannot see them, and a loop that
+        zeroes with ``model.zero_grad()`` or ``param.grad = None`` never reaches them, so
+        gradients are never carried across an optimizer step (as in DeepSpeed).
+        """
+        if all(bucket.keep_full for bucket in self.buckets):
+            for bucket in self.buckets:
+                bucket.consume()
+            self.reduced = False
+        else:
+            self.zero()
 
     def zero(self) -> None:
         """Forget all gradients (``zero_grad``)."""

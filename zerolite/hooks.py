@@ -12,21 +12,27 @@ added up locally, and the next synced backward reduces the sum.
 
 Both expose the same small interface to the optimizer: `collect` (step boundary: bring
 gradients the hooks did not see into the buckets), `zero_grad` and `remove`.
+After a step, stage 2's shards are forgotten (`GradReducer.after_step`), so loops that
+zero with ``model.zero_grad()`` or ``param.grad = None`` behave as with ``opt.zero_grad()``.
 """
 
 from __future__ import annotations
 
+import logging
 import weakref
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_flatten
 from torch.utils.hooks import RemovableHandle
 
 from zerolite.grad_reducer import GradReducer
 
 __all__ = ["KeepFullGrads", "ShardGradsInBackward"]
+
+logger = logging.getLogger(__name__)
 
 
 class _GradHooks:
@@ -51,6 +57,10 @@ class _GradHooks:
 
     def on_grad(self, b: int, i: int, param: nn.Parameter) -> None:
         raise NotImplementedError
+
+    def discard_abandoned_backward(self, warn: bool = True) -> bool:
+        """Forget what a backward that raised left behind; True if there was one."""
+        return False
 
     def remove(self) -> None:
         for handle in self._handles:
@@ -93,48 +103,90 @@ class KeepFullGrads(_GradHooks):
 
 
 class ShardGradsInBackward(_GradHooks):
-    """Stage 2: gradients move into buckets as they arrive and are reduce-scattered in backward."""
+    """Stage 2: gradients move into buckets as they arrive and are reduce-scattered in backward.
+
+    [Note: one backward] The end-of-backward callback that launches the remaining buckets
+    is queued on the graph task of the *outermost* backward: from a hook on the root
+    module's outputs where there is one (it fires first), else from the first gradient.
+    Nested backwards (reentrant activation checkpointing runs one per region) therefore
+    belong to the backward that contains them instead of ending it early.
+
+    A backward that raised never runs its callback. The next forward, ``zero_grad`` or
+    step finds it still open outside any backward, and discards what it left behind
+    (half-filled buckets, arrival counts, reduce-scatters in flight, stage-3 gathers): a
+    caught, skipped batch leaves no trace, whichever way the loop zeroes gradients.
+    """
 
     def __init__(self, reducer: GradReducer) -> None:
         super().__init__(reducer)
-        self._callback_queued = False
+        # Graph task id of the backward whose end-of-backward callback is queued.
+        self._open_task: int | None = None
         # Stage 3 listens: a bucket's gradients are all in (its unit can be freed), and
-        # backward has ended.
+        # backward has ended (or was abandoned).
         self.on_bucket_complete: Callable[[int], None] | None = None
         self.on_backward_end: Callable[[], None] | None = None
 
-    def on_grad(self, b: int, i: int, param: nn.Parameter) -> None:
-        bucket = self.reducer.buckets[b]
-        if bucket.in_flight:
-            raise RuntimeError(
-                f"{self.reducer.group.prefix()} parameter {bucket.flat.names[i]!r} received a second "
-                "gradient in one backward after its bucket was reduce-scattered (reentrant "
-                "checkpointing or a hook calling backward?); use non-reentrant checkpointing"
-            )
-        with torch.no_grad():
-            bucket.add_grad(i, param.grad)
-        param.grad = None
-        self.reducer.local_used[b][i] = True
-        bucket.unreduced = True
-        if not self._callback_queued:
+    def watch_root(self, model: nn.Module) -> None:
+        """Hook ``model``'s forward: check for an abandoned backward before it, and arm the
+        end-of-backward callback on its outputs after it."""
+        owner = weakref.ref(self)
+
+        def pre_forward(module: nn.Module, args: Any) -> None:
+            hooks = owner()
+            if hooks is not None:
+                hooks.discard_abandoned_backward()
+
+        def post_forward(module: nn.Module, args: Any, output: Any) -> None:
+            hooks = owner()
+            if hooks is None or not torch.is_grad_enabled() or _inside_backward():
+                return
+            tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+            if tensors:
+                torch.autograd.graph.register_multi_grad_hook(
+                    tensors, lambda grads: hooks._backward_started(), mode="any"
+                )
+
+        # First of all pre-hooks: stage 3's root gather must not run before a discard reshards.
+        self._handles.append(model.register_forward_pre_hook(pre_forward, prepend=True))
+        self._handles.append(model.register_forward_hook(post_forward))
+
+    def _backward_started(self) -> None:
+        if self._open_task is None:
             torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_end)
-            self._callback_queued = True
-        if not self.reducer.sync_disabled:
-            bucket.ready += 1
-            complete = bucket.ready == len(bucket.flat.params)
-            self.reducer.launch_ready()
-            if complete and self.on_bucket_complete is not None:
-                self.on_bucket_complete(b)
+            self._open_task = torch._C._current_graph_task_id()
+
+    def on_grad(self, b: int, i: int, param: nn.Parameter) -> None:
+        self._backward_started()
+        complete = self.reducer.add_grad(b, i, param.grad)
+        param.grad = None
+        if complete and self.on_bucket_complete is not None:
+            self.on_bucket_complete(b)
 
     def _on_backward_end(self) -> None:
-        self._callback_queued = False
+        self._open_task = None
         if not self.reducer.sync_disabled:
             self.reducer.flush()
         if self.on_backward_end is not None:
             self.on_backward_end()
 
+    def discard_abandoned_backward(self, warn: bool = True) -> bool:
+        """Outside backward: if the last backward raised, forget what it left; True if so."""
+        if self._open_task is None or _inside_backward():
+            return False
+        self._open_task = None
+        if warn:
+            logger.warning(
+                "%s a backward did not complete (it raised); the gradients accumulated since "
+                "the last zero_grad() are discarded", self.reducer.group.prefix()
+            )
+        self.reducer.zero()
+        if self.on_backward_end is not None:
+            self.on_backward_end()
+        return True
+
     def collect(self) -> None:
         """Step boundary: gradients assigned by hand to ``param.grad`` join the buckets."""
+        self.discard_abandoned_backward()
         with torch.no_grad():
             for b, bucket in enumerate(self.reducer.buckets):
                 for i, p in enumerate(bucket.flat.params):
@@ -142,11 +194,15 @@ class ShardGradsInBackward(_GradHooks):
                         bucket.add_grad(i, p.grad)
                         p.grad = None
                         self.reducer.local_used[b][i] = True
-                        bucket.unreduced = True
 
     def zero_grad(self, set_to_none: bool) -> None:
         # Full-size gradients do not exist between steps in stage 2, whatever set_to_none says.
+        self.discard_abandoned_backward(warn=False)  # zeroing is what the caller asked for
         self.reducer.zero()
         for bucket in self.reducer.buckets:
             for p in bucket.flat.params:
                 p.grad = None
+
+
+def _inside_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1

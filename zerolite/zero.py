@@ -296,6 +296,8 @@ def _build(
     if plan.units is not None and isinstance(grads, ShardGradsInBackward):
         unit_flats = [[all_flats[i] for i in buffers] for buffers in unit_buffers]
         scheduler = _schedule_units(plan.units, unit_flats, flats, group, config, grads)
+    if isinstance(grads, ShardGradsInBackward):
+        grads.watch_root(model)
     guard_conversions(
         model, {id(p): (flat.data.dtype, flat.data.device) for flat in [*flats, *frozen_flats] for p in flat.params}
     )
