@@ -839,18 +839,20 @@ def test_communication_volume_per_step(world_size):
             expected = 2 * expected_each
             formula = 2 * (c["psi"] + c["padding"]) * (n - 1) / n  # 2 psi (N-1)/N plus padding
             assert expected == formula
-            flags = sum(c["params_per_flat"]) + 1
+            # One flag per parameter, "unreduced", and the lockstep check (exchanges, steps and
+            # forwards, each as a max and a negated max).
+            flags = sum(c["params_per_flat"]) + 1 + 6
             if r == 0:
                 print(f"\n[comm ws={n}] {label}: psi={c['psi']} padding={c['padding']} buffers={len(c['shard_numels'])} "
                       f"expected/step={expected} (2 psi (N-1)/N = {2 * c['psi'] * (n - 1) / n:.1f}) "
                       f"measured={[s['isend'] for s in c['steps']]} flag all-reduce: "
-                      f"{[(s['all_reduce_calls'], s['all_reduce_elements']) for s in c['steps']]} (int32)")
+                      f"{[(s['all_reduce_calls'], s['all_reduce_elements']) for s in c['steps']]} (int64)")
             for s, st in enumerate(c["steps"]):
                 where = f"rank {r} {label} step {s}"
                 assert st["rs_isend"] == expected_each, f"{where}: reduce-scatter sent {st['rs_isend']}, expected {expected_each}"
                 assert st["ag_isend"] == expected_each, f"{where}: all-gather sent {st['ag_isend']}, expected {expected_each}"
                 assert st["isend"] == expected, f"{where}: sent {st['isend']}, expected {expected}"
                 assert st["irecv"] == expected, f"{where}: received {st['irecv']}, expected {expected}"
-                # The small flag all-reduce: one call, one int32 per parameter + "unreduced".
+                # The small flag all-reduce: one call, one int64 per parameter + 7.
                 assert (st["all_reduce_calls"], st["all_reduce_elements"]) == (1, flags), where
                 assert st["other"] == [], f"{where}: unexpected communication {st['other']}"

@@ -8,7 +8,7 @@ See README.md for the full picture.
 
 from zerolite._version import __version__
 from zerolite.config import ZeroConfig
-from zerolite.consensus import RankMismatchError
+from zerolite.errors import CollectiveTimeout, RankMismatchError
 from zerolite.full_state_dict import full_state_dict
 from zerolite.gathered import gathered_parameters, iter_full_state_dict
 from zerolite.optim.sharded_optimizer import ShardedOptimizer
@@ -16,6 +16,7 @@ from zerolite.zero import shard
 
 __all__ = [
     "__version__",
+    "CollectiveTimeout",
     "RankMismatchError",
     "ShardedOptimizer",
     "ZeroConfig",

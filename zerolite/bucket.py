@@ -118,7 +118,7 @@ class GradBucket:
     def in_flight(self) -> bool:
         return self._pending is not None
 
-    def launch(self, tag: int) -> None:
+    def launch(self) -> None:
         """Start reducing ``full`` into this rank's shard. Every rank must launch each
         bucket the same number of times, in the same order relative to other buckets."""
         if self._pending is not None:
@@ -134,7 +134,8 @@ class GradBucket:
             self.shard_is_zero = True
         # Reduce straight into the shard when it holds nothing yet.
         out = self.shard if self.shard_is_zero else torch.empty_like(self.shard)
-        self._pending = reduce_scatter_avg(send, out, self.group, tag=tag)
+        what = f"the reduce-scatter of gradient bucket {self.flat.index}"
+        self._pending = reduce_scatter_avg(send, out, self.group, key=2 * self.flat.index, what=what)
         self._result, self._sent = out, send
         self._reset_arrivals()
         self.unreduced = False

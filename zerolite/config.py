@@ -89,7 +89,11 @@ _ENV_FIELDS: dict[str, tuple[str, Callable[[str], Any], Any]] = {
         lambda s: _parse_bool("reshard_after_forward", s),
         True,
     ),
+    "collectives": ("ZEROLITE_COLLECTIVES", lambda s: s.strip().lower(), "auto"),
+    "timeout_s": ("ZEROLITE_TIMEOUT_S", lambda s: _parse_number("timeout_s", s, float), 600.0),
 }
+
+COLLECTIVES = ("auto", "native", "point_to_point")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -125,6 +129,15 @@ class ZeroConfig:
         reshard_after_forward: stage 3: free each unit's full parameters after its
             forward (and gather again for backward). The root unit stays gathered from
             forward to backward either way. Env: ``ZEROLITE_RESHARD_AFTER_FORWARD``.
+        collectives: how reduce-scatters and all-gathers travel. ``"native"``:
+            torch.distributed's own kernels (what NCCL runs); ``"point_to_point"``: built
+            from ``isend``/``irecv``, each exchange tagged with its sequence number (gloo has
+            a slow all-gather and runs reduce-scatter as a full all-reduce); ``"auto"``
+            (default): point-to-point on gloo, native otherwise. Env: ``ZEROLITE_COLLECTIVES``.
+        timeout_s: seconds any zerolite collective may wait for the other ranks before it
+            raises `zerolite.CollectiveTimeout` naming the operation and the step (a rank
+            that skipped ``step()``, saved alone or died). On NCCL, waits are asynchronous
+            and the process group's own timeout is the bound. Env: ``ZEROLITE_TIMEOUT_S``.
         init_fn: for a model built under ``torch.device("meta")`` only: called as
             ``init_fn(module)`` on every module (children before parents, as
             ``nn.Module.apply``) once its parameters have storage, instead of each
@@ -146,6 +159,8 @@ class ZeroConfig:
     unit_modules: tuple[type[torch.nn.Module], ...] | Callable[[torch.nn.Module], bool] | None = None
     prefetch: int = _UNSET
     reshard_after_forward: bool = _UNSET
+    collectives: str = _UNSET
+    timeout_s: float = _UNSET
     init_fn: Callable[[torch.nn.Module], None] | None = None
 
     def __post_init__(self) -> None:
@@ -205,6 +220,15 @@ class ZeroConfig:
             raise ValueError(
                 f"ZeroConfig.reshard_after_forward: got {self.reshard_after_forward!r}; allowed: True or False"
             )
+        if self.collectives not in COLLECTIVES:
+            raise ValueError(
+                f"ZeroConfig.collectives: got {self.collectives!r}; allowed: "
+                + ", ".join(repr(c) for c in COLLECTIVES)
+            )
+        t = self.timeout_s
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t <= 0:
+            raise ValueError(f"ZeroConfig.timeout_s: got {t!r}; allowed: a finite number of seconds > 0")
+        object.__setattr__(self, "timeout_s", float(t))
         if self.init_fn is not None and not callable(self.init_fn):
             raise ValueError(f"ZeroConfig.init_fn: got {self.init_fn!r}; allowed: None or a callable module -> None")
         eo = self.elementwise_optimizers

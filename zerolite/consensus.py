@@ -15,12 +15,9 @@ import hashlib
 import json
 
 from zerolite.collectives import Group, all_gather_bytes
+from zerolite.errors import RankMismatchError
 
 __all__ = ["RankMismatchError", "agree"]
-
-
-class RankMismatchError(RuntimeError):
-    """Ranks disagree on what they build (model, optimizer, config), or one rank failed."""
 
 
 def agree(what: str, lines: list[str], error: BaseException | None, group: Group) -> None:
@@ -39,10 +36,10 @@ def agree(what: str, lines: list[str], error: BaseException | None, group: Group
     payload = json.dumps({"error": None if error is None else f"{type(error).__name__}: {error}", "lines": lines})
     digest = hashlib.sha256(payload.encode()).digest() + (b"\x01" if error is not None else b"\x00")
     if group.size > 1:
-        digests = all_gather_bytes(digest, group)
+        digests = all_gather_bytes(digest, group, what=f"{what} (ranks comparing plans)")
         if all(d == digests[0] for d in digests) and error is None:
             return
-        payloads = [json.loads(p) for p in all_gather_bytes(payload.encode(), group)]
+        payloads = [json.loads(p) for p in all_gather_bytes(payload.encode(), group, what=f"{what} (ranks comparing plans)")]
     elif error is None:
         return
     else:

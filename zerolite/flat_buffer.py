@@ -99,11 +99,11 @@ class FlatParamBuffer:
         """True while the full buffer (and so every parameter) holds values."""
         return self.data.untyped_storage().nbytes() > 0
 
-    def unshard(self, group: Group) -> Pending:
+    def unshard(self, group: Group, what: str = "") -> Pending:
         """Launch the all-gather of the full buffer from every rank's shard (stage 3).
 
         Parameters are bound to the buffer at once; their values are valid after the
-        returned handle's ``wait()``.
+        returned handle's ``wait()``. ``what`` names the exchange in errors.
         """
         if self.unsharded:
             return Pending()
@@ -112,11 +112,12 @@ class FlatParamBuffer:
         self.data[lo:hi].copy_(self.shard)
         for i, p in enumerate(self.params):
             p.data = self.param_view(self.data, i)
-        return self.all_gather(group)
+        return self.all_gather(group, what)
 
-    def all_gather(self, group: Group) -> Pending:
+    def all_gather(self, group: Group, what: str = "") -> Pending:
         """Launch the in-place all-gather of ``data`` from every rank's chunk."""
-        return all_gather_inplace(self.data, group, tag=2 * self.index + 1)  # even tags: reduce-scatters
+        what = what or f"the all-gather of flat buffer {self.index}"
+        return all_gather_inplace(self.data, group, key=2 * self.index + 1, what=what)  # even: reduce-scatters
 
     def reshard(self) -> None:
         """Free the full buffer (stage 3; see [Note: freed parameters]); no-op when replicated."""

@@ -52,7 +52,7 @@ def gathered_parameters(model: nn.Module, modifier_rank: int | None = None) -> I
         if modifier_rank is not None:
             masters = {id(m.flat): m for m in opt.masters}
             for flat in [*opt.flats, *opt.frozen_flats]:
-                broadcast(flat.data, modifier_rank, opt.group)
+                broadcast(flat.data, modifier_rank, opt.group, what="gathered_parameters()'s broadcast of the edits")
                 lo, hi = flat.layout.shard_range(flat.rank)
                 if not flat.replicated:
                     flat.shard.copy_(flat.data[lo:hi])

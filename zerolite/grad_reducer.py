@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 from zerolite.bucket import GradBucket
 from zerolite.collectives import Group, all_reduce
+from zerolite.errors import RankMismatchError
 
 __all__ = ["GradReducer"]
 
@@ -106,7 +107,7 @@ class GradReducer:
     def _launch(self, bucket: GradBucket) -> None:
         while len(self._in_flight) >= self.max_in_flight:
             self._in_flight.popleft().wait()
-        bucket.launch(tag=2 * bucket.flat.index)  # odd tags are all-gathers
+        bucket.launch()
         self._in_flight.append(bucket)
         self._next_launch += 1
 
@@ -121,13 +122,20 @@ class GradReducer:
             # Ranks may disagree on whether local gradients await reduction (no_sync
             # leftovers, late or hand-assigned gradients), so decide together: one small
             # all-reduce carries the used-flags and an "unreduced" flag.
+            # It also carries each rank's exchange count and step, as a max and a negated
+            # max: ranks out of step all see it, and all raise (see collectives' lockstep).
             unreduced = any(b.unreduced for b in self.buckets)
-            flags = torch.cat([*self.local_used, torch.tensor([unreduced])]).to(torch.int32)
-            all_reduce(flags, self.group, dist.ReduceOp.MAX)
-            flags = flags.bool()
-            if flags[-1]:
+            counters = [self.group.sequence, self.group.step, self.group.forwards]
+            flags = torch.cat([
+                *self.local_used,
+                torch.tensor([unreduced]),
+                torch.tensor([v for c in counters for v in (c, -c)]),
+            ]).to(torch.int64)
+            all_reduce(flags, self.group, dist.ReduceOp.MAX, what="step()'s gradient agreement")
+            _check_lockstep(self.group, flags[-6:].tolist())
+            if flags[-7]:
                 self.flush()
-            self.global_used = list(flags[:-1].split([len(u) for u in self.local_used]))
+            self.global_used = list(flags[:-7].bool().split([len(u) for u in self.local_used]))
             self.reduced = True
         return self.global_used
 
@@ -159,3 +167,24 @@ class GradReducer:
         while self._in_flight:
             self._in_flight.popleft().wait()
         self._next_launch = 0
+
+
+def _check_lockstep(group: Group, extremes: list[int]) -> None:
+    """Raise on every rank if the ranks' lockstep counters differ.
+
+    ``extremes``: (max, -min) over ranks of the exchange count, the step count and the
+    forward count, as all-reduced with MAX.
+    """
+    (seq_hi, seq_lo), (step_hi, step_lo), (fwd_hi, fwd_lo) = (
+        (extremes[k], -extremes[k + 1]) for k in (0, 2, 4)
+    )
+    if seq_hi == seq_lo and step_hi == step_lo and fwd_hi == fwd_lo:
+        return
+    raise RankMismatchError(
+        f"{group.prefix()} zerolite: ranks are out of step at step(): across ranks, steps "
+        f"completed range from {step_lo} to {step_hi}, forwards with gradients from {fwd_lo} "
+        f"to {fwd_hi}, and zerolite exchanges from {seq_lo} to {seq_hi}. A rank skipped or "
+        "added step(), an iteration or another zerolite operation (e.g. caught an exception "
+        "and moved on alone); every rank must run the same loop. An extra forward on some "
+        "ranks only must run under torch.no_grad()."
+    )

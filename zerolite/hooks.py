@@ -58,6 +58,23 @@ class _GradHooks:
     def on_grad(self, b: int, i: int, param: nn.Parameter) -> None:
         raise NotImplementedError
 
+    def watch_root(self, model: nn.Module) -> None:
+        """Hook ``model``'s forward: count forwards that build a graph (see
+        `zerolite.collectives.Group.forwards`) and run `_before_forward`."""
+        owner = weakref.ref(self)
+
+        def pre_forward(module: nn.Module, args: Any) -> None:
+            hooks = owner()
+            if hooks is not None:
+                hooks._before_forward()
+
+        # First of all pre-hooks: stage 3's root gather must not run before a discard reshards.
+        self._handles.append(model.register_forward_pre_hook(pre_forward, prepend=True))
+
+    def _before_forward(self) -> None:
+        if torch.is_grad_enabled() and not _inside_backward():
+            self.reducer.group.forwards += 1
+
     def discard_abandoned_backward(self, warn: bool = True) -> bool:
         """Forget what a backward that raised left behind; True if there was one."""
         return False
@@ -127,14 +144,10 @@ class ShardGradsInBackward(_GradHooks):
         self.on_backward_end: Callable[[], None] | None = None
 
     def watch_root(self, model: nn.Module) -> None:
-        """Hook ``model``'s forward: check for an abandoned backward before it, and arm the
-        end-of-backward callback on its outputs after it."""
+        """Also check for an abandoned backward before each forward, and arm the
+        end-of-backward callback on the outputs after it."""
+        super().watch_root(model)
         owner = weakref.ref(self)
-
-        def pre_forward(module: nn.Module, args: Any) -> None:
-            hooks = owner()
-            if hooks is not None:
-                hooks.discard_abandoned_backward()
 
         def post_forward(module: nn.Module, args: Any, output: Any) -> None:
             hooks = owner()
@@ -146,9 +159,11 @@ class ShardGradsInBackward(_GradHooks):
                     tensors, lambda grads: hooks._backward_started(), mode="any"
                 )
 
-        # First of all pre-hooks: stage 3's root gather must not run before a discard reshards.
-        self._handles.append(model.register_forward_pre_hook(pre_forward, prepend=True))
         self._handles.append(model.register_forward_hook(post_forward))
+
+    def _before_forward(self) -> None:
+        self.discard_abandoned_backward()
+        super()._before_forward()
 
     def _backward_started(self) -> None:
         if self._open_task is None:

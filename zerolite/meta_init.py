@@ -162,7 +162,7 @@ def _rank0_generators(device: torch.device, group: Group) -> Iterator[None]:
     packed = torch.cat(states)
     # NCCL broadcasts CUDA tensors only.
     wire = packed.to(torch.device("cuda", torch.cuda.current_device())) if group.backend == "nccl" else packed
-    broadcast(wire, 0, group)
+    broadcast(wire, 0, group, what="shard()'s broadcast of rank 0's generator states")
     rank0 = wire.cpu().split([s.numel() for s in states])
     with torch.random.fork_rng(devices=cuda):
         torch.set_rng_state(rank0[0].clone())

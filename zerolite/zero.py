@@ -26,7 +26,7 @@ from torch import nn
 
 from zerolite import phases
 from zerolite.bucket import GradBucket
-from zerolite.collectives import Group, broadcast
+from zerolite.collectives import Group, broadcast, broadcast_coalesced
 from zerolite.config import ZeroConfig
 from zerolite.consensus import agree
 from zerolite.flat_buffer import FlatParamBuffer
@@ -78,7 +78,9 @@ class _Plan:
         index_of = {id(bucket[0][1]): i for i, bucket in enumerate(self.all_buckets)}
         return [[index_of[id(ps[0][1])] for ps in (u.params, u.frozen) if ps] for u in self.units or []]
 
-    def describe(self, config: ZeroConfig, optimizer: torch.optim.Optimizer) -> list[str]:
+    def describe(self, config: ZeroConfig, optimizer: torch.optim.Optimizer, model: nn.Module) -> list[str]:
+        """One line per fact every rank must agree on: the config, the optimizer and its
+        groups, every parameter (sharded or not) and every buffer, the flat buffers, the units."""
         lines = [
             f"config: stage={config.stage} param_dtype={config.param_dtype} "
             f"reduce_dtype={config.reduce_dtype} bucket_size_mb={config.bucket_size_mb}",
@@ -93,6 +95,17 @@ class _Plan:
         in_model_order = reversed([item for bucket in self.buckets for item in bucket])
         for name, p in in_model_order:
             lines.append(f"param {name}: shape={tuple(p.shape)} group={self.group_of[id(p)]}")
+        sharded = {id(p) for bucket in self.all_buckets for _, p in bucket}
+        for name, p in model.named_parameters():
+            if id(p) not in sharded:
+                lines.append(f"unsharded param {name}: shape={tuple(p.shape)} dtype={p.dtype} "
+                             f"requires_grad={p.requires_grad}")
+        for prefix, module in model.named_modules():
+            for key, buf in module._buffers.items():
+                if buf is not None:
+                    persistent = key not in module._non_persistent_buffers_set
+                    lines.append(f"module buffer {prefix + '.' if prefix else ''}{key}: shape={tuple(buf.shape)} "
+                                 f"dtype={buf.dtype} persistent={persistent}")
         for b, bucket in enumerate(self.buckets):
             lines.append(f"buffer {b}: params {[n for n, _ in bucket]}")
         for unit in self.units or []:
@@ -143,13 +156,13 @@ def shard(
         loss = model(x).sum(); loss.backward(); opt.step(); opt.zero_grad()
     """
     config = ZeroConfig() if config is None else config
-    group = Group(config.process_group)
+    group = Group(config.process_group, collectives=config.collectives, timeout_s=config.timeout_s)
     plan: _Plan | None = None
     lines: list[str] = []
     error: BaseException | None = None
     try:
         plan = plan_layout(model, optimizer, config)
-        lines = plan.describe(config, optimizer)
+        lines = plan.describe(config, optimizer, model)
     except Exception as exc:  # every rank must learn of it: see zerolite.consensus
         error = exc
     agree("zerolite.shard()", lines, error, group)  # raises on every rank if any rank failed
@@ -267,13 +280,18 @@ def _build(
         # Every rank starts from rank 0's values, as with DDP.
         all_flats = [make_flat(index) for index in range(len(all_buckets))]
         for flat in all_flats:
-            broadcast(flat.data, 0, group)
+            broadcast(flat.data, 0, group, what=f"shard()'s broadcast of rank 0's flat buffer {flat.index}")
         if config.stage == 3:
             for flat in all_flats:
                 flat.shard_only()
-    for buf in model.buffers():
-        if not buf.is_meta:  # non-persistent buffers a meta build could not fill (see meta_init)
-            broadcast(buf.data, 0, group)
+    if not plan.on_meta:  # (a meta build computes the same values on every rank)
+        # As DDP: every rank starts from rank 0's unsharded parameters and buffers.
+        in_flats = {id(p) for flat in all_flats for p in flat.params}
+        unsharded = [p for p in model.parameters() if id(p) not in in_flats]
+        broadcast_coalesced(
+            [*unsharded, *model.buffers()], 0, group,
+            what="shard()'s broadcast of rank 0's unsharded parameters and buffers",
+        )
     flats, frozen_flats = all_flats[: len(plan.buckets)], all_flats[len(plan.buckets) :]
     masters = [MasterShard(flat) for flat in flats]
     _repoint_optimizer(optimizer, plan, flats, masters)
@@ -296,8 +314,7 @@ def _build(
     if plan.units is not None and isinstance(grads, ShardGradsInBackward):
         unit_flats = [[all_flats[i] for i in buffers] for buffers in unit_buffers]
         scheduler = _schedule_units(plan.units, unit_flats, flats, group, config, grads)
-    if isinstance(grads, ShardGradsInBackward):
-        grads.watch_root(model)
+    grads.watch_root(model)
     guard_conversions(
         model, {id(p): (flat.data.dtype, flat.data.device) for flat in [*flats, *frozen_flats] for p in flat.params}
     )

@@ -222,7 +222,9 @@ def save(
         error = exc
     agree("zerolite.checkpoint.save()", [], error, group)
     # Phase 2: write into a hidden sibling named by rank 0's token.
-    token = all_gather_bytes(uuid.uuid4().hex.encode() if group.rank == 0 else b"", group)[0].decode()
+    token = all_gather_bytes(
+        uuid.uuid4().hex.encode() if group.rank == 0 else b"", group, what="checkpoint.save() (naming the directory)"
+    )[0].decode()
     tmp = path.parent / f".{path.name}.tmp-{token}"
     error = None
     record = b""
@@ -237,7 +239,7 @@ def save(
         record = _write_file(tmp / shard_file(group.rank, group.size), tensors, group.rank, pieces, frozen_pieces)
     except Exception as exc:
         error = exc
-    records = all_gather_bytes(record, group)
+    records = all_gather_bytes(record, group, what="checkpoint.save() (collecting file records)")
     agree("zerolite.checkpoint.save() (writing shards)", [], error, group)
     error = None
     try:

@@ -52,7 +52,7 @@ class DynamicLossScaler:
             if not torch.isfinite(shard).all():
                 flag.fill_(1.0)
                 break
-        all_reduce(flag, group, dist.ReduceOp.MAX)
+        all_reduce(flag, group, dist.ReduceOp.MAX, what="step()'s fp16 overflow check")
         return bool(flag.item())
 
     def update(self, overflow: bool) -> None:

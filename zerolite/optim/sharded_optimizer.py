@@ -100,6 +100,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         # their fp32 upcast (see _fp32_gradient); `_clipped` says a clip coefficient is in it.
         self._grad_factor = torch.ones((), dtype=torch.float32)
         self._clipped = False
+        # What each group's "params" held after shard(): a change is refused at step().
+        self._group_params = [list(group["params"]) for group in optimizer.param_groups]
 
     # -- shared with the wrapped optimizer -------------------------------------------
     @property
@@ -172,6 +174,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if not self._overflow:
             self._update_and_gather(used)
         self._reducer.after_step()
+        self.group.step += 1
         self._prepared = None
         self._clipped = False
         return loss
@@ -323,6 +326,20 @@ class ShardedOptimizer(torch.optim.Optimizer):
         )
 
     def _check_bound(self) -> None:
+        for g, (group, expected) in enumerate(zip(self.param_groups, self._group_params)):
+            current = group["params"]
+            if len(current) != len(expected) or any(a is not b for a, b in zip(current, expected)):
+                raise RuntimeError(
+                    f"{self.group.prefix()} param group {g} (optimizer.param_groups[{g}]['params']) changed after "
+                    f"zerolite.shard() (it holds {len(current)} tensors, zerolite gave it "
+                    f"{len(expected)}): zerolite shards the parameters the optimizer held at "
+                    "shard(). Put every parameter in its group before calling shard()."
+                )
+        if len(self.param_groups) != len(self._group_params):
+            raise RuntimeError(
+                f"{self.group.prefix()} the optimizer has {len(self.param_groups)} param groups, "
+                f"{len(self._group_params)} at zerolite.shard(); add every group before shard()"
+            )
         moved = [name for flat in self.flats for name in flat.unbound()]
         if moved:
             raise RuntimeError(
