@@ -122,8 +122,20 @@ def _conversions_after_shard():
         opt.step()
 
 
+def _sparse_embedding():
+    for stage in (1, 2, 3):
+        torch.manual_seed(0)
+        model = nn.Sequential(OrderedDict(tok=nn.Embedding(10, 4, sparse=True), head=nn.Linear(4, 2)))
+        opt = torch.optim.AdamW(model.parameters())
+        before = _snapshot(model, opt)
+        with pytest.raises(ValueError, match=r"^tok \(Embedding\) has sparse=True"):
+            zerolite.shard(model, opt, ZeroConfig(stage=stage))
+        _assert_untouched(model, opt, before)
+
+
 def _all_bad_input_cases():
-    for case in (_refused_optimizers, _foreign_parameter, _mixed_devices, _twice, _stage_zero, _conversions_after_shard):
+    for case in (_refused_optimizers, _foreign_parameter, _mixed_devices, _twice, _stage_zero, _conversions_after_shard,
+                 _sparse_embedding):
         case()
     return "ok"
 

@@ -86,7 +86,8 @@ class FlatParamBuffer:
         self.shard = self.shard.clone()
         self.replicated = False
         self._nan = torch.full((1,), float("nan"), dtype=self.data.dtype, device=self.data.device)
-        self._placeholders = [self._nan.expand(shape) for shape in self.shapes]
+        # Expanded from a 0-dim view, so that a 0-dim parameter gets a placeholder too.
+        self._placeholders = [self._nan[0].expand(shape) for shape in self.shapes]
         self.reshard()
 
     def placeholder_written(self) -> bool:

@@ -215,6 +215,7 @@ def plan_layout(model: nn.Module, optimizer: torch.optim.Optimizer, config: Zero
     managed = [(n, p) for n, p in model.named_parameters() if id(p) in group_of]
     if not managed:
         raise ValueError("the optimizer holds no trainable parameter of the model; nothing to shard")
+    _refuse_sparse_gradients(model, group_of)
     devices = {p.device for _, p in managed}
     if len(devices) > 1:
         by_device: dict[torch.device, str] = {}
@@ -421,3 +422,16 @@ def _slice_state(key: str, value: object, param: torch.Tensor, start: int, end: 
             return out.float() if out.is_floating_point() else out
         return value.detach().clone()
     return value
+
+
+def _refuse_sparse_gradients(model: nn.Module, trained: dict[int, int]) -> None:
+    # A sparse gradient cannot enter a dense flat gradient bucket; without this check it
+    # fails deep inside the first backward.
+    for name, module in model.named_modules():
+        sparse = isinstance(module, (nn.Embedding, nn.EmbeddingBag)) and module.sparse
+        if sparse and id(module.weight) in trained:
+            raise ValueError(
+                f"{name or 'the model'} ({type(module).__name__}) has sparse=True, so its weight "
+                "gets sparse gradients, which zerolite cannot shard; build it with sparse=False, "
+                "or freeze it"
+            )
