@@ -8,7 +8,9 @@ The text is the standard library's own ``.py`` files, read at run time as bytes
 ``ZeroAccelerator`` instead of ``Accelerator``. Rank 0 prints step, loss and tokens/s,
 then each rank's measured memory footprint next to what DDP would hold. A checkpoint is
 saved every ``--save-every`` steps under ``--out`` (``save_state``); ``--resume`` continues
-from the newest one. The stage comes from ``--stage`` or ``ZEROLITE_STAGE``. With ``--meta`` the model is built on the meta
+from the newest one and says which; a run without ``--resume`` refuses an ``--out`` that already
+holds checkpoints (another run's). On a terminal, rank 0 shows a progress bar with loss and
+tokens/s; the periodic log lines are printed either way. The stage comes from ``--stage`` or ``ZEROLITE_STAGE``. With ``--meta`` the model is built on the meta
 device (no memory) and ``shard()`` materialises it unit by unit with ``GPT.init_weights``.
 """
 
@@ -23,7 +25,7 @@ import time
 from pathlib import Path
 
 import torch
-from accelerate.utils import ProjectConfiguration
+from accelerate.utils import ProjectConfiguration, tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -79,10 +81,18 @@ def main() -> None:
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 20))
     model, optimizer, schedule = accelerator.prepare(model, optimizer, schedule)
     start_step = 0
-    if args.resume and (Path(args.out) / "checkpoints").is_dir():
-        accelerator.load_state()
+    checkpoints = Path(args.out) / "checkpoints"
+    earlier = sorted(checkpoints.glob("checkpoint_*")) if checkpoints.is_dir() else []
+    if earlier and not args.resume:
+        raise SystemExit(f"{checkpoints} holds checkpoints of an earlier run ({', '.join(p.name for p in earlier)}): "
+                         "pass --resume to continue it, or choose another --out")
+    if args.resume and earlier:
+        accelerator.load_state()  # the newest checkpoint_N
         start_step = accelerator.step
-        accelerator.print(f"resumed at step {start_step}")
+        newest = checkpoints / f"checkpoint_{accelerator.project_configuration.iteration - 1}"
+        accelerator.print(f"resumed from {newest} at step {start_step}")
+    elif args.resume:
+        accelerator.print(f"--resume: no checkpoint under {checkpoints}; starting at step 0")
     tokens = stdlib_text(4_000_000)
     n_params = sum(p.numel() for p in model.parameters())
     accelerator.print(
@@ -90,7 +100,9 @@ def main() -> None:
         f"{n_params / 1e6:.2f}M parameters, {len(tokens) / 1e6:.1f}M bytes of standard-library text"
     )
     clock, seen = time.perf_counter(), 0
-    for step in range(start_step, args.steps):
+    bar = tqdm(range(start_step, args.steps), initial=start_step, total=args.steps, unit="step",
+               disable=not sys.stderr.isatty())
+    for step in bar:
         x, y = batch_at(tokens, step, args.batch * world, cfg.seq_len)
         x, y = x[rank::world].to(accelerator.device), y[rank::world].to(accelerator.device)
         with accelerator.accumulate(model):
@@ -102,11 +114,17 @@ def main() -> None:
             optimizer.zero_grad()
         accelerator.step = step + 1
         seen += x.numel() * world
+        rate = seen / (time.perf_counter() - clock)
+        bar.set_postfix(loss=f"{loss.item():.3f}", tokens_per_s=f"{rate:,.0f}", refresh=False)
         if step % 20 == 0 or step == args.steps - 1:
-            rate = seen / (time.perf_counter() - clock)
-            accelerator.print(f"step {step:4d}  loss {loss.item():.3f}  {rate:,.0f} tokens/s")
+            line = f"step {step:4d}  loss {loss.item():.3f}  {rate:,.0f} tokens/s"
+            if bar.disable:
+                accelerator.print(line)
+            else:
+                bar.write(line)  # above the bar, not through it
         if (step + 1) % args.save_every == 0:
             accelerator.save_state()
+    bar.close()
     mine = footprint(optimizer.optimizer)
     ddp = formula(n_params, world_size=world, stage=0, param_dtype=accelerator.zero_config.param_dtype)
     for r in range(world):

@@ -97,7 +97,45 @@ class _Batches(torch.utils.data.Dataset):
         return self.data[i // self.world]
 
 
+def _refusals(accelerator, out_dir: Path) -> dict:
+    """save_state never replaces a checkpoint silently; what each attempt did, by name."""
+    model = make_model(False)
+    opt = parity.make_optimizer("AdamW", model)
+    model, opt = accelerator.prepare(model, opt)
+    outcome: dict = {}
+
+    def attempt(key: str, *args, **kwargs) -> None:
+        try:
+            accelerator.save_state(*args, **kwargs)
+            outcome[key] = "saved"
+        except ValueError as exc:
+            outcome[key] = str(exc)
+
+    explicit = out_dir / "explicit_state"
+    attempt("first", explicit)
+    index = explicit / "zerolite_0" / "index.json"
+    before = index.stat().st_mtime_ns
+    attempt("again", explicit)
+    outcome["untouched"] = index.stat().st_mtime_ns == before
+    attempt("overwrite", explicit, overwrite=True)
+    project = accelerator.project_configuration
+    project.set_directories(str(out_dir / "auto_project"))
+    project.automatic_checkpoint_naming, project.total_limit, project.iteration = True, 1, 0
+    attempt("auto_first")
+    project.iteration = 0  # a fresh run pointed at the same project_dir
+    attempt("auto_again")
+    outcome["auto_kept"] = sorted(p.name for p in (out_dir / "auto_project" / "checkpoints").iterdir())
+    return outcome
+
+
 def run_case(name: str, out_dir: Path) -> None:
+    if name == "refusals2":
+        accelerator = ZeroAccelerator(zero_config=zerolite.ZeroConfig(stage=2))
+        outcome = _refusals(accelerator, out_dir)
+        if accelerator.is_main_process:
+            (out_dir / f"{name}.json").write_text(json.dumps(outcome))
+        accelerator.wait_for_everyone()
+        return
     stage = int(name[-1]) if name[-1].isdigit() else None
     kwargs: dict = {}
     acc_kwargs: dict = {}

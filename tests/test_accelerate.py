@@ -46,7 +46,7 @@ def _launch(out: Path, *names: str, extra_args: tuple[str, ...] = (), config: Pa
 def runs(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("accelerate")
     _launch(out, "stage1", "stage2", "stage3", "ddp", "save2", "ddp_accum", "accum2", "meta3")
-    _launch(out, "bf16_2")
+    _launch(out, "bf16_2", "refusals2")
     _launch(out, "resume2")  # new processes, loading what save2 wrote
     return out
 
@@ -148,6 +148,15 @@ def test_save_state_then_load_state_in_new_processes_resumes_bitwise(runs):
     assert resumed_infos[0]["rank_state"]["first_piece"] != resumed_infos[1]["rank_state"]["first_piece"]
 
 
+def test_save_state_never_replaces_a_checkpoint_silently(runs):
+    outcome = json.loads((runs / "refusals2.json").read_text())
+    assert outcome["first"] == outcome["overwrite"] == outcome["auto_first"] == "saved"
+    assert "explicit_state already holds files" in outcome["again"]
+    assert "overwrite=True" in outcome["again"] and outcome["untouched"]
+    assert "checkpoint_0 already exists" in outcome["auto_again"]
+    assert outcome["auto_kept"] == ["checkpoint_0"]  # refused before pruning
+
+
 def test_bf16_mixed_precision_means_bf16_params_and_fp32_masters(runs):
     _, infos = _result(runs, "bf16_2")
     for info in infos:
@@ -189,3 +198,22 @@ def test_launch_that_disagrees_with_accelerate_fails_clearly(tmp_path):
     result = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode != 0
     assert "ACCELERATE_USE_CPU=1" in result.stdout + result.stderr
+
+
+def test_example_resumes_only_its_own_run_and_says_which_checkpoint(tmp_path):
+    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}
+    out = tmp_path / "run"
+
+    def example(*args: str) -> subprocess.CompletedProcess:
+        cmd = [str(ACCELERATE), "launch", "--config_file", str(CPU_CONFIG), str(ROOT / "examples" / "train_gpt.py"),
+               "--out", str(out), "--save-every", "2", *args]
+        return subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+
+    first = example("--steps", "2")
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    fresh = example("--steps", "2")  # a new run pointed at the old --out
+    assert fresh.returncode != 0
+    assert "holds checkpoints of an earlier run (checkpoint_0): pass --resume" in fresh.stderr
+    resumed = example("--steps", "3", "--resume")
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert f"resumed from {out / 'checkpoints' / 'checkpoint_0'} at step 2" in resumed.stdout

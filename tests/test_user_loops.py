@@ -188,3 +188,41 @@ def test_failed_backward_skipped_equals_clean_skip(world_size):
     for r, rep in enumerate(reports):
         assert not rep["failures"], f"rank {r}:\n" + "\n".join(rep["failures"])
         assert len(rep["checked"]) == 6
+
+
+def _in_place_edit_rank(stages: tuple[int, ...]) -> dict:
+    """bf16 parameters clamped in place, then one step with lr=0 (the update itself is 0)."""
+    out = {}
+    for stage in stages:
+        for where in ("outside", "inside"):
+            model = parity.make_model()
+            opt = torch.optim.SGD(model.parameters(), lr=0.0)
+            opt = zerolite.shard(model, opt, zerolite.ZeroConfig(stage=stage, param_dtype=torch.bfloat16))
+            x, y = parity.batches(1)[0]
+            if where == "outside" and stage < 3:
+                for p in model.parameters():
+                    p.data.clamp_(-0.01, 0.01)
+            elif where == "inside":
+                with torch.no_grad(), zerolite.gathered_parameters(model, modifier_rank=0):
+                    for p in model.parameters():
+                        p.clamp_(-0.01, 0.01)
+            else:
+                continue  # stage 3: outside a gather there is nothing to edit
+            model(parity.local_slice(x), parity.local_slice(y)).backward()
+            opt.step()
+            opt.zero_grad()
+            full = zerolite.full_state_dict(model, rank0_only=False)
+            out[(stage, where)] = max(float(v.abs().max()) for k, v in full.items() if v.is_floating_point())
+    return out
+
+
+@pytest.mark.parametrize("world_size", [2])
+def test_in_place_edits_of_16_bit_parameters_need_gathered_parameters(world_size):
+    """The README's limit, both halves: an edit of bf16 ``p.data`` at stages 1-2 is replaced by
+    the fp32 master at the next step; inside ``gathered_parameters(modifier_rank=...)`` it
+    reaches the masters and survives, at every stage."""
+    result = run_ranks(_in_place_edit_rank, world_size, (1, 2, 3), timeout=120)
+    for largest in result:
+        assert largest[(1, "outside")] > 0.05 and largest[(2, "outside")] > 0.05  # reverted
+        for stage in (1, 2, 3):
+            assert largest[(stage, "inside")] <= 0.0101, (stage, largest)  # kept (0.01 rounded to bf16)

@@ -3,8 +3,14 @@
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
     opt = zerolite.shard(model, opt, zerolite.ZeroConfig(stage=2))
 
-See README.md for the full picture.
+See README.md for the full picture. The subpackages ``zerolite.memory``,
+``zerolite.checkpoint``, ``zerolite.testing``, ``zerolite.accelerate`` and ``zerolite.hf``
+are attributes of the package, imported on first use (``import zerolite`` stays cheap and
+never imports transformers).
 """
+
+import importlib
+from typing import Any
 
 from zerolite._version import __version__
 from zerolite.config import ZeroConfig
@@ -25,3 +31,17 @@ __all__ = [
     "iter_full_state_dict",
     "shard",
 ]
+
+# Imported on first attribute access, so `zerolite.memory.footprint(...)` works after a bare
+# `import zerolite` without paying for Accelerate or transformers up front.
+_LAZY_SUBMODULES = ("accelerate", "checkpoint", "hf", "memory", "testing")
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY_SUBMODULES:
+        return importlib.import_module(f"zerolite.{name}")
+    raise AttributeError(f"module 'zerolite' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY_SUBMODULES})

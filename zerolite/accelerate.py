@@ -127,13 +127,26 @@ class _ZeroMethods:
         """Full (gathered, for stage 3) weights on every rank, as ``model.state_dict()``."""
         return full_state_dict(model, rank0_only=False, to_cpu=True)
 
-    def _checkpoint_dir(self: Any, output_dir: str | os.PathLike | None) -> Path:
+    def _checkpoint_dir(self: Any, output_dir: str | os.PathLike | None, overwrite: bool) -> Path:
         config = self.project_configuration
         if not config.automatic_checkpoint_naming:
             if output_dir is None:
                 raise ValueError("save_state() needs output_dir unless automatic_checkpoint_naming is set")
-            return Path(output_dir)
+            target = Path(output_dir)
+            if not overwrite and target.is_dir() and any(target.iterdir()):
+                raise ValueError(
+                    f"save_state(): {target} already holds files (an earlier run's checkpoint?); "
+                    "choose a new output_dir, or pass save_state(..., overwrite=True) to replace it"
+                )
+            return target
         root = Path(self.project_dir) / "checkpoints"
+        target = root / f"checkpoint_{self.save_iteration}"
+        if target.exists():  # checked before pruning, so a refused save deletes nothing
+            raise ValueError(
+                f"save_state(): checkpoint folder {target} already exists, from an earlier run in "
+                f"project_dir {self.project_dir}: resume it with load_state(), choose another "
+                "project_dir, or set accelerator.project_configuration.iteration past it"
+            )
         root.mkdir(parents=True, exist_ok=True)
         if self.is_main_process and config.total_limit is not None:
             folders = sorted(
@@ -142,19 +155,30 @@ class _ZeroMethods:
             )
             for old in folders[: max(0, len(folders) + 1 - config.total_limit)]:
                 shutil.rmtree(old)
-        return root / f"checkpoint_{self.save_iteration}"
+        return target
 
-    def save_state(self: Any, output_dir: str | os.PathLike | None = None, **kwargs: Any) -> str:
+    def save_state(
+        self: Any, output_dir: str | os.PathLike | None = None, *, overwrite: bool = False, **kwargs: Any
+    ) -> str:
         """Save models and sharded optimizers with `zerolite.checkpoint` (each rank its shard),
-        plus Accelerate's dataloader, RNG and registered-object states. All ranks must call."""
-        target = self._checkpoint_dir(output_dir)
+        plus Accelerate's dataloader, RNG and registered-object states. All ranks must call.
+
+        An existing checkpoint is never replaced silently: with automatic checkpoint naming an
+        existing ``checkpoint_N`` is refused (as stock Accelerate does), and an explicit
+        ``output_dir`` that already holds files is refused unless ``overwrite=True``.
+
+        Raises:
+            ValueError: the target folder exists (see above), before anything is written or
+                pruned.
+        """
+        target = self._checkpoint_dir(output_dir, overwrite)
         self.wait_for_everyone()  # rank 0 has pruned old checkpoints before anyone creates the new one
         target.mkdir(parents=True, exist_ok=True)
         schedulers = [getattr(s, "scheduler", s) for s in self._schedulers]
         for i, (model, opt) in enumerate(self._zero_sharded):
             zerolite.checkpoint.save(
                 target / f"zerolite_{i}", model, opt, schedulers=schedulers if i == 0 else (),
-                extra={"step": self.step}, overwrite=True,
+                extra={"step": self.step}, overwrite=overwrite,
             )
         save_accelerator_state(str(target), [], [], [], self._dataloaders, self.state.process_index, self.step,
                                None, save_on_each_node=self.project_configuration.save_on_each_node)

@@ -6,7 +6,7 @@ import dataclasses
 
 from zerolite.memory.estimate import estimate_sharded
 from zerolite.memory.footprint import MemoryBreakdown, footprint
-from zerolite.optim.sharded_optimizer import ShardedOptimizer
+from zerolite.optim.sharded_optimizer import ShardedOptimizer, require_sharded_optimizer
 
 __all__ = ["assert_footprint", "FootprintMismatch"]
 
@@ -38,6 +38,7 @@ def assert_footprint(opt: ShardedOptimizer, *, expected: MemoryBreakdown | None 
         FootprintMismatch: naming each field that differs and by how many bytes, e.g.
             ``optimizer_state: measured 224,112 B, expected 220,112 B (+4,000 B)``.
     """
+    require_sharded_optimizer(opt, "assert_footprint()")
     expected = estimate_sharded(opt) if expected is None else expected
     measured = footprint(opt)
     differences = {}

@@ -32,6 +32,7 @@ from torch import nn
 from zerolite.config import ZeroConfig
 from zerolite.layout import FlatLayout
 from zerolite.memory.footprint import MemoryBreakdown, formula
+from zerolite.optim.sharded_optimizer import require_sharded_optimizer
 from zerolite.zero import plan_layout
 
 __all__ = ["estimate", "state_bytes"]
@@ -142,15 +143,19 @@ def estimate(
         ``opt = shard(model, optimizer, config)`` on that rank.
     """
     config = ZeroConfig() if config is None else config
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"estimate(): world_size must be an int >= 1, got {world_size!r}")
     if not isinstance(model_or_count, nn.Module):
-        name = optimizer if isinstance(optimizer, str) else type(optimizer).__name__.lower()
-        return formula(int(model_or_count), world_size=world_size, stage=config.stage,
+        return formula(_count(model_or_count), world_size=world_size, stage=config.stage,
                        param_dtype=config.param_dtype, reduce_dtype=config.reduce_dtype,
-                       optimizer=name if name in ("adam", "adamw", "sgd", "sgd_momentum", "adagrad", "rmsprop") else "adamw")
+                       optimizer=_formula_name(optimizer))
     if config.stage == 0:
         raise ValueError("stage=0 (DDP) is estimated from a count: estimate(num_params, ...)")
     model = model_or_count
-    opt = _OPTIMIZERS[optimizer](list(model.parameters())) if isinstance(optimizer, str) else optimizer
+    if isinstance(optimizer, str):
+        opt = _OPTIMIZERS[_formula_name(optimizer)](list(model.parameters()))
+    else:
+        opt = optimizer
     plan = plan_layout(model, opt, config)
     buffers = [
         _Buffer(FlatLayout(tuple(p.numel() for _, p in bucket), world_size),
@@ -163,8 +168,37 @@ def estimate(
     return _breakdown(buffers, opt, config, rank, unmanaged, frozen)
 
 
+def _count(value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value):
+        raise TypeError(
+            f"estimate(): model_or_count must be an nn.Module or a whole number of parameters, got {value!r}"
+        )
+    if value <= 0:
+        raise ValueError(f"estimate(): the parameter count must be positive, got {value!r}")
+    return int(value)
+
+
+def _formula_name(optimizer: str | torch.optim.Optimizer) -> str:
+    """The `STATE_BYTES_PER_PARAM` key for ``optimizer``; an unknown one is refused, never guessed."""
+    if isinstance(optimizer, torch.optim.Optimizer):
+        name = type(optimizer).__name__.lower()
+        if name == "sgd" and any(g.get("momentum", 0) for g in optimizer.param_groups):
+            name = "sgd_momentum"
+    elif isinstance(optimizer, str):
+        name = optimizer
+    else:
+        raise TypeError(f"estimate(): optimizer must be a name or a torch.optim.Optimizer, got {optimizer!r}")
+    if name not in _OPTIMIZERS:
+        raise ValueError(
+            f"estimate(): no state layout known for optimizer {name!r}; use one of {sorted(_OPTIMIZERS)}, "
+            "or pass the model with the optimizer instance, or measure with footprint()"
+        )
+    return name
+
+
 def estimate_sharded(opt) -> MemoryBreakdown:  # noqa: ANN001 - a ShardedOptimizer
     """`estimate` for an optimizer already built by `shard()`, from its own layout."""
+    require_sharded_optimizer(opt, "estimate_sharded()")
     buffers = []
     group_of = {id(t): g for g, group in enumerate(opt.param_groups) for t in group["params"]}
     for i, (flat, master) in enumerate(zip(opt.flats, opt.masters)):

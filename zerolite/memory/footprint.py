@@ -26,7 +26,7 @@ from fractions import Fraction
 
 import torch
 
-from zerolite.optim.sharded_optimizer import ShardedOptimizer
+from zerolite.optim.sharded_optimizer import ShardedOptimizer, require_sharded_optimizer
 
 __all__ = ["MemoryBreakdown", "footprint", "formula", "STATE_BYTES_PER_PARAM"]
 
@@ -110,6 +110,7 @@ def footprint(opt: ShardedOptimizer) -> MemoryBreakdown:
     fields do not depend on when it is called (gradient buffers are persistent);
     ``transient`` is what is alive at that moment.
     """
+    require_sharded_optimizer(opt, "footprint()")
     census = _StorageCensus()
     model = opt.model
     model_params = list(model.parameters()) if model is not None else []

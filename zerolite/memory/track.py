@@ -36,7 +36,7 @@ import torch
 
 from zerolite import phases
 from zerolite.memory.footprint import footprint
-from zerolite.optim.sharded_optimizer import ShardedOptimizer
+from zerolite.optim.sharded_optimizer import ShardedOptimizer, require_sharded_optimizer
 
 __all__ = ["track", "PhasePeak", "MemoryTracker"]
 
@@ -94,6 +94,7 @@ class MemoryTracker:
 
     def attach(self, opt: ShardedOptimizer) -> None:
         """Attribute ``opt``'s model's forwards and backwards and ``opt``'s steps."""
+        require_sharded_optimizer(opt, "track()")
         self.opt = opt
         self.cuda = any(f.data.device.type == "cuda" for f in opt.flats)
         model = opt.model

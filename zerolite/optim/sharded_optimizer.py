@@ -37,7 +37,7 @@ from zerolite.optim.master import MasterShard
 from zerolite.optim.state_dict import load_sharded_state_dict, sharded_state_dict
 from zerolite.unit_scheduler import UNITS_ATTR
 
-__all__ = ["ShardedOptimizer"]
+__all__ = ["ShardedOptimizer", "require_sharded_optimizer"]
 
 logger = logging.getLogger(__name__)
 
@@ -347,3 +347,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 "buffers: they were moved, cast or re-assigned after zerolite.shard(). Move and "
                 "cast the model before calling shard()."
             )
+
+
+def require_sharded_optimizer(opt: object, caller: str) -> ShardedOptimizer:
+    """``opt`` itself if it is a `ShardedOptimizer`; else a `TypeError` for ``caller``."""
+    if not isinstance(opt, ShardedOptimizer):
+        raise TypeError(
+            f"{caller} needs the ShardedOptimizer that zerolite.shard() returned, got "
+            f"{type(opt).__name__}; pass opt = zerolite.shard(model, optimizer, config)"
+        )
+    return opt
