@@ -63,3 +63,31 @@ def test_invalid_environment_value_names_the_field(monkeypatch):
     monkeypatch.setenv("ZEROLITE_STAGE", "7")
     with pytest.raises(ValueError, match="ZeroConfig.stage: got 7"):
         ZeroConfig()
+
+
+def test_is_set_tells_given_fields_from_defaults(monkeypatch):
+    monkeypatch.delenv("ZEROLITE_PARAM_DTYPE", raising=False)
+    monkeypatch.setenv("ZEROLITE_STAGE", "3")
+    cfg = ZeroConfig(bucket_size_mb=1)
+    assert cfg.is_set("bucket_size_mb") and cfg.is_set("stage")  # argument; environment
+    assert not cfg.is_set("param_dtype")
+    assert ZeroConfig(param_dtype=torch.float32).is_set("param_dtype")  # explicit default value
+    assert cfg == ZeroConfig(bucket_size_mb=1, param_dtype=torch.float32)  # not part of equality
+    with pytest.raises(ValueError, match="'nosuch' is not a ZeroConfig field"):
+        cfg.is_set("nosuch")
+
+
+def test_integrations_fill_only_an_unset_param_dtype(monkeypatch):
+    """Accelerate's mixed_precision and a Trainer's args.bf16 choose param_dtype unless the
+    config (argument or ZEROLITE_PARAM_DTYPE) says otherwise."""
+    from types import SimpleNamespace
+
+    from zerolite.accelerate import zero_config_for
+
+    monkeypatch.delenv("ZEROLITE_PARAM_DTYPE", raising=False)
+    bf16 = SimpleNamespace(mixed_precision="bf16", device=torch.device("cpu"))
+    assert zero_config_for(bf16, ZeroConfig(stage=3)).param_dtype == torch.bfloat16
+    assert zero_config_for(bf16, None).param_dtype == torch.bfloat16
+    assert zero_config_for(bf16, ZeroConfig(stage=3, param_dtype=torch.float32)).param_dtype == torch.float32
+    monkeypatch.setenv("ZEROLITE_PARAM_DTYPE", "fp32")
+    assert zero_config_for(bf16, ZeroConfig(stage=3)).param_dtype == torch.float32

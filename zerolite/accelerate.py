@@ -49,11 +49,12 @@ __all__ = ["ZeroAccelerator", "setup", "zero_config_for"]
 
 
 def zero_config_for(accelerator: Accelerator, zero_config: ZeroConfig | None) -> ZeroConfig:
-    """The `ZeroConfig` to use: ``zero_config`` if given, else ``ZeroConfig()`` (which reads
-    ``ZEROLITE_*``) with ``param_dtype`` taken from Accelerate's ``mixed_precision``."""
-    if zero_config is not None:
-        return zero_config
-    config = ZeroConfig()
+    """The `ZeroConfig` to use: ``zero_config`` (default ``ZeroConfig()``, which reads
+    ``ZEROLITE_*``), with ``param_dtype`` taken from Accelerate's ``mixed_precision`` unless
+    the config sets it (an argument or ``ZEROLITE_PARAM_DTYPE``)."""
+    config = ZeroConfig() if zero_config is None else zero_config
+    if config.is_set("param_dtype"):
+        return config
     precision = str(accelerator.mixed_precision)
     if precision == "bf16":
         return dataclasses.replace(config, param_dtype=torch.bfloat16)

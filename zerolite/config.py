@@ -128,7 +128,10 @@ class ZeroConfig:
             forward, previous ones in backward). Env: ``ZEROLITE_PREFETCH``.
         reshard_after_forward: stage 3: free each unit's full parameters after its
             forward (and gather again for backward). The root unit stays gathered from
-            forward to backward either way. Env: ``ZEROLITE_RESHARD_AFTER_FORWARD``.
+            forward to backward either way. ``False`` also keeps units gathered after a
+            forward without gradients (evaluation, a ``generate()`` loop: no gather per
+            token) until the next backward ends; a step's updates are gathered again
+            before the next use. Env: ``ZEROLITE_RESHARD_AFTER_FORWARD``.
         collectives: how reduce-scatters and all-gathers travel. ``"native"``:
             torch.distributed's own kernels (what NCCL runs); ``"point_to_point"``: built
             from ``isend``/``irecv``, each exchange tagged with its sequence number (gloo has
@@ -162,13 +165,36 @@ class ZeroConfig:
     collectives: str = _UNSET
     timeout_s: float = _UNSET
     init_fn: Callable[[torch.nn.Module], None] | None = None
+    # Fields with environment variables that took their default (no argument, no variable):
+    # integrations may fill those from their own settings (Accelerate's mixed_precision).
+    _defaulted: frozenset[str] = dataclasses.field(
+        default=frozenset(), init=False, repr=False, compare=False
+    )
 
     def __post_init__(self) -> None:
+        defaulted = set()
         for name, (env, parse, default) in _ENV_FIELDS.items():
             if getattr(self, name) is _UNSET:
                 raw = os.environ.get(env)
                 object.__setattr__(self, name, default if raw is None else parse(raw))
+                if raw is None:
+                    defaulted.add(name)
+        object.__setattr__(self, "_defaulted", frozenset(defaulted))
         self._validate()
+
+    def is_set(self, name: str) -> bool:
+        """Whether field ``name`` was given, as an argument or by its ``ZEROLITE_*`` variable.
+
+        False means it holds its default, which an integration may replace with its own
+        setting (e.g. ``param_dtype`` from Accelerate's ``mixed_precision`` or a Trainer's
+        ``args.bf16``). A config made by ``dataclasses.replace`` has every field set.
+
+        Raises:
+            ValueError: ``name`` is not a field of `ZeroConfig`.
+        """
+        if name not in {f.name for f in dataclasses.fields(self) if f.init}:
+            raise ValueError(f"ZeroConfig.is_set(): {name!r} is not a ZeroConfig field")
+        return name not in self._defaulted
 
     def _validate(self) -> None:
         if isinstance(self.stage, bool) or not isinstance(self.stage, int) or self.stage not in (0, 1, 2, 3):

@@ -27,6 +27,11 @@ __all__ = ["gathered_parameters", "iter_full_state_dict"]
 def gathered_parameters(model: nn.Module, modifier_rank: int | None = None) -> Iterator[None]:
     """Inside the block every managed parameter holds its full values. All ranks must enter.
 
+    Stage 3 gathers every unit once on entry and frees them on exit (those that were not
+    gathered before); forwards inside the block use the full parameters without any
+    communication, so wrapping a ``generate()`` loop costs one gather in all. Nested
+    blocks free nothing until the outermost one exits.
+
     Args:
         model: a model sharded by `zerolite.shard` (any stage).
         modifier_rank: if set, the values this rank holds when the block exits are
@@ -38,17 +43,29 @@ def gathered_parameters(model: nn.Module, modifier_rank: int | None = None) -> I
     opt = getattr(model, SHARDED_OPTIMIZER_ATTR, None)
     if opt is None:
         raise ValueError("gathered_parameters() needs a model sharded by zerolite.shard()")
+    world = opt.group.size
+    if modifier_rank is not None and (
+        isinstance(modifier_rank, bool) or not isinstance(modifier_rank, int) or not 0 <= modifier_rank < world
+    ):
+        raise ValueError(
+            f"gathered_parameters(): modifier_rank must be None or a rank in [0, {world}), got {modifier_rank!r}"
+        )
     scheduler: UnitScheduler | None = getattr(model, UNITS_ATTR, None)
     was_gathered = []
     if scheduler is not None:
+        scheduler.refresh_stale()
         was_gathered = scheduler.unsharded_units()
         for i in range(len(scheduler.flats)):
             scheduler.gather(i)
         for i in range(len(scheduler.flats)):
             scheduler.unshard(i)
+        # Forwards inside the block (a generation loop) must neither free nor re-gather.
+        scheduler.pinned += 1
     try:
         yield
     finally:
+        if scheduler is not None:
+            scheduler.pinned -= 1
         if modifier_rank is not None:
             masters = {id(m.flat): m for m in opt.masters}
             for flat in [*opt.flats, *opt.frozen_flats]:
@@ -59,7 +76,7 @@ def gathered_parameters(model: nn.Module, modifier_rank: int | None = None) -> I
                 master = masters.get(id(flat))
                 if master is not None and not master.is_view:
                     master.data.copy_(flat.data[lo:hi])
-        if scheduler is not None:
+        if scheduler is not None and not scheduler.pinned:
             for i in range(len(scheduler.flats)):
                 if i not in was_gathered:
                     scheduler.reshard(i)
@@ -74,6 +91,8 @@ def iter_full_state_dict(model: nn.Module, to_cpu: bool = True) -> Iterator[tupl
     except that parameters come unit by unit and buffers at the end; a tied parameter
     is yielded under each of its names (the same tensor).
     """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"iter_full_state_dict() needs an nn.Module, got {type(model).__name__}")
     scheduler: UnitScheduler | None = getattr(model, UNITS_ATTR, None)
     if scheduler is None:
         shared: dict[int, torch.Tensor] = {}
@@ -82,6 +101,7 @@ def iter_full_state_dict(model: nn.Module, to_cpu: bool = True) -> Iterator[tupl
                 shared[id(tensor)] = _copy(tensor, to_cpu)
             yield name, shared[id(tensor)]
         return
+    scheduler.refresh_stale()
     scheduler.allow_state_dict = True
     try:
         entries = model.state_dict(keep_vars=True)

@@ -21,6 +21,10 @@ parameter autograd reaches again, e.g. one used inside and outside a reentrant
 checkpoint) is kept as an unreduced local gradient: the step boundary's agreement sees it
 on some rank, and every rank reduce-scatters every bucket once more. Correct, at the cost
 of one more round of communication for that step.
+
+The entry points (`add_grad`, `flush`, `reduce`, `zero`) are `not_compiled`: hooks and
+autograd callbacks call them, also inside a compiled function that runs ``backward()``,
+and dynamo must not trace their collectives (see `zerolite.compile_guard`).
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ import torch.distributed as dist
 
 from zerolite.bucket import GradBucket
 from zerolite.collectives import Group, all_reduce
+from zerolite.compile_guard import not_compiled
 from zerolite.errors import RankMismatchError
 
 __all__ = ["GradReducer"]
@@ -63,6 +68,7 @@ class GradReducer:
         # True inside model.no_sync(): gradients stay local, nothing launches.
         self.sync_disabled = False
 
+    @not_compiled
     def add_grad(self, b: int, i: int, grad: torch.Tensor) -> bool:
         """Stage 2-3: param ``i`` of bucket ``b`` produced ``grad`` in backward.
 
@@ -94,6 +100,7 @@ class GradReducer:
                 return
             self._launch(bucket)
 
+    @not_compiled
     def flush(self) -> None:
         """Launch every bucket not launched yet this round, in order, then wait for all.
 
@@ -111,6 +118,7 @@ class GradReducer:
         self._in_flight.append(bucket)
         self._next_launch += 1
 
+    @not_compiled
     def reduce(self) -> list[torch.Tensor]:
         """Make every bucket's ``shard`` hold the averaged gradients; idempotent per step.
 
@@ -154,6 +162,7 @@ class GradReducer:
         else:
             self.zero()
 
+    @not_compiled
     def zero(self) -> None:
         """Forget all gradients (``zero_grad``)."""
         self._wait_in_flight()

@@ -27,6 +27,7 @@ from torch import nn
 from zerolite import phases
 from zerolite.bucket import GradBucket
 from zerolite.collectives import Group, broadcast, broadcast_coalesced
+from zerolite.compile_guard import exclude_from_compile, not_compiled
 from zerolite.config import ZeroConfig
 from zerolite.consensus import agree
 from zerolite.flat_buffer import FlatParamBuffer
@@ -37,8 +38,8 @@ from zerolite.meta_init import (
     check_before_first_forward,
     check_meta_build,
     check_nothing_on_meta,
-    materialize_device,
     materialize,
+    materialize_device,
 )
 from zerolite.optim.contract import check_optimizer
 from zerolite.optim.master import MasterShard
@@ -316,6 +317,8 @@ def _build(
         unit_flats = [[all_flats[i] for i in buffers] for buffers in unit_buffers]
         scheduler = _schedule_units(plan.units, unit_flats, flats, group, config, grads)
     grads.watch_root(model)
+    # torch.compile: zerolite's hooks are graph breaks, never traced (see compile_guard).
+    exclude_from_compile([*grads._handles, *(scheduler._handles if scheduler is not None else [])])
     guard_conversions(
         model, {id(p): (flat.data.dtype, flat.data.device) for flat in [*flats, *frozen_flats] for p in flat.params}
     )
@@ -381,7 +384,9 @@ def _schedule_units(
     )
     unit_of_bucket = {flat.index: i for i, fs in enumerate(unit_flats) for flat in fs if flat in flats}
     grads.on_bucket_complete = lambda b: scheduler.on_unit_gradients_ready(unit_of_bucket[b])
-    grads.on_backward_end = scheduler.on_backward_end
+    # Both run from autograd callbacks, inside a compiled frame when a compiled function
+    # calls backward; they must not be traced (see zerolite.compile_guard).
+    grads.on_backward_end = not_compiled(scheduler.on_backward_end)
     return scheduler
 
 

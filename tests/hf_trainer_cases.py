@@ -1,0 +1,337 @@
+"""Rank bodies for tests/test_hf_trainer.py: a tiny Llama trained by a stock ``Trainer``
+(DDP) and by ``ZeroTrainer`` inside `zerolite.testing.run_ranks` launches.
+
+Trainer finds the process group that run_ranks created (``RANK``/``WORLD_SIZE`` are set and
+``use_cpu=True`` makes Accelerate's state ``MULTI_CPU``), so no launcher or port is needed.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+SEQ = 16
+VOCAB = 64
+
+
+def _warm() -> None:
+    """Import transformers' Trainer once and freeze the heap: Trainer.train() runs a full
+    gc.collect() (Accelerate's free_memory), which otherwise walks every object the import
+    created -- about a second per train() call here."""
+    import gc
+
+    import transformers.trainer  # noqa: F401
+
+    gc.freeze()
+
+
+def make_model(seed: int = 0) -> Any:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=SEQ,
+    )
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(config)
+
+
+class TokenData(torch.utils.data.Dataset):
+    """``n`` fixed random sequences (the same on every rank), labels = inputs."""
+
+    def __init__(self, n: int = 48, seed: int = 1) -> None:
+        generator = torch.Generator().manual_seed(seed)
+        self.ids = torch.randint(0, VOCAB, (n, SEQ), generator=generator)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+def make_args(out: str | os.PathLike, **overrides: Any) -> Any:
+    from transformers import TrainingArguments
+
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    settings: dict[str, Any] = {
+        "output_dir": str(out),
+        "use_cpu": True,
+        "per_device_train_batch_size": 4 // world,
+        "per_device_eval_batch_size": 4,
+        "gradient_accumulation_steps": 2,
+        "max_steps": 6,
+        "learning_rate": 1e-2,
+        "weight_decay": 0.1,
+        "warmup_steps": 1,
+        "lr_scheduler_type": "linear",
+        "max_grad_norm": 0.5,
+        "logging_steps": 1,
+        "save_strategy": "no",
+        "report_to": [],
+        "disable_tqdm": True,
+        "seed": 0,
+        "dataloader_num_workers": 0,
+        "optim": "adamw_torch",
+    }
+    settings.update(overrides)
+    return TrainingArguments(**settings)
+
+
+def steps(trainer: Any) -> list[tuple[float, float]]:
+    """``(loss, grad_norm)`` of every logged training step."""
+    return [(e["loss"], e["grad_norm"]) for e in trainer.state.log_history if "grad_norm" in e]
+
+
+# ---- the cases run by tests/test_hf_trainer.py ------------------------------------------
+
+
+def _trainer(out: Path, stage: int | None, *, model: Any = None, **overrides: Any) -> Any:
+    from transformers import Trainer
+
+    import zerolite
+    from zerolite.hf import ZeroTrainer
+
+    optimizers = overrides.pop("optimizers", (None, None))
+    args = make_args(out, **overrides)
+    kwargs = {
+        "optimizers": optimizers,
+        "model": model if model is not None else make_model(),
+        "args": args,
+        "train_dataset": TokenData(),
+        "eval_dataset": TokenData(8, seed=2),
+    }
+    if stage is None:
+        return Trainer(**kwargs)
+    return ZeroTrainer(**kwargs, zero_config=zerolite.ZeroConfig(stage=stage))
+
+
+def _mixin_trainer(out: Path, **kwargs: Any) -> Any:
+    """ZeroTrainerMixin on a user's Trainer subclass (one that overrides compute_loss)."""
+    from transformers import Trainer
+
+    from zerolite.hf import ZeroTrainerMixin
+
+    class CountingTrainer(Trainer):
+        calls = 0
+
+        def compute_loss(self, *args: Any, **kw: Any) -> Any:
+            self.calls += 1
+            return super().compute_loss(*args, **kw)
+
+    class ZeroCountingTrainer(ZeroTrainerMixin, CountingTrainer):
+        pass
+
+    return ZeroCountingTrainer(args=make_args(out), train_dataset=TokenData(), **kwargs)
+
+
+def _evaluation(trainer: Any) -> dict[str, Any]:
+    metrics = trainer.evaluate()
+    prediction = trainer.predict(TokenData(4, seed=3))
+    return {
+        "eval_loss": metrics["eval_loss"],
+        "predict_loss": prediction.metrics["test_loss"],
+        "logits": torch.as_tensor(prediction.predictions),
+    }
+
+
+def _gathered(trainer: Any) -> dict[str, torch.Tensor]:
+    import zerolite
+
+    return zerolite.full_state_dict(trainer.model, rank0_only=False)
+
+
+def parity_and_checkpoints(out: str) -> dict[str, Any]:
+    """DDP, then stages 1-3 (GA=2, clipping), a checkpoint at step 3 (stage 2) resumed at
+    2 ranks and at stage 3, gradient checkpointing, bf16, save_model, best-model loading."""
+    from zerolite.optim.sharded_optimizer import ShardedOptimizer
+
+    _warm()
+    root = Path(out)
+    results: dict[str, Any] = {}
+    for name, stage in (("ddp", None), ("s1", 1), ("s2", 2), ("s3", 3)):
+        extra = {"save_strategy": "steps", "save_steps": 3} if name == "s2" else {}
+        trainer = _trainer(root / name, stage, **extra)
+        # evaluate() before train(): the model is not sharded yet. (Not on the stock Trainer's
+        # own model: after that evaluate(), its train() no longer wraps the model in DDP.)
+        evaluated = trainer if stage is not None else _trainer(root / "ddp-eval", None)
+        before = evaluated.evaluate()["eval_loss"]
+        trainer.train()
+        results[name] = {"steps": steps(trainer), "before": before, **_evaluation(trainer)}
+        if stage is not None:
+            results[name]["unwrapped"] = trainer.model_wrapped is trainer.model
+            results[name]["sharded"] = isinstance(trainer.optimizer.optimizer, ShardedOptimizer)
+            results[name]["state"] = _gathered(trainer)
+        else:
+            results[name]["state"] = {
+                k: v.detach().clone() for k, v in trainer.model.state_dict().items()
+            }
+    for name, stage in (("sgd_ddp", None), ("sgd_s2", 2)):
+        results[name] = _user_optimizer(root / name, stage)
+    checkpoint = root / "s2" / "checkpoint-3"
+    results["checkpoint_files"] = sorted(p.name for p in checkpoint.iterdir())
+    for name, stage in (("resume_s2", 2), ("resume_s3", 3)):
+        trainer = _trainer(root / name, stage, model=make_model(seed=7))
+        trainer.train(resume_from_checkpoint=str(checkpoint))
+        results[name] = {"steps": steps(trainer), "state": _gathered(trainer)}
+    # resume_from_checkpoint=True finds the newest checkpoint-N in output_dir.
+    if dist.get_rank() == 0:
+        import shutil
+
+        shutil.copytree(checkpoint, root / "resume_true" / "checkpoint-3")
+    dist.barrier()
+    trainer = _mixin_trainer(root / "resume_true", model=make_model(seed=7))
+    trainer.train(resume_from_checkpoint=True)
+    results["resume_true"] = {"steps": steps(trainer), "custom_loss_calls": trainer.calls}
+    for reentrant in (False, True):
+        trainer = _trainer(
+            root / f"gc-{reentrant}",
+            3,
+            gradient_checkpointing=True,
+            gradient_checkpointing_kwargs={"use_reentrant": reentrant},
+        )
+        trainer.train()
+        results[f"gc_reentrant_{reentrant}"] = {"steps": steps(trainer)}
+    results["bf16"] = _bf16(root / "bf16")
+    results["save_model"] = _save_model(root / "saved")
+    results["best"] = _best_model(root / "best")
+    results["errors"] = bad_arguments(str(root / "errors"))
+    return results
+
+
+def _user_optimizer(out: Path, stage: int | None) -> dict[str, Any]:
+    """optimizers=(SGD with momentum, StepLR) built by the user on the unsharded model.
+    SGD is not scale-invariant like Adam, so clipping by a wrong norm would show."""
+    model = make_model()
+    sgd = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    schedule = torch.optim.lr_scheduler.StepLR(sgd, step_size=2, gamma=0.5)
+    trainer = _trainer(out, stage, model=model, optimizers=(sgd, schedule))
+    trainer.train()
+    return {
+        "steps": steps(trainer),
+        "lrs": [e["learning_rate"] for e in trainer.state.log_history if "learning_rate" in e],
+    }
+
+
+def _bf16(out: Path) -> dict[str, Any]:
+    from zerolite.hf import ZeroTrainer
+
+    trainer = ZeroTrainer(
+        model=make_model(), args=make_args(out, max_steps=2, bf16=True), train_dataset=TokenData()
+    )
+    trainer.train()
+    opt = trainer.optimizer.optimizer
+    return {
+        "stage": trainer.zero_config.stage,
+        "param_dtypes": sorted({str(p.dtype) for p in trainer.model.parameters()}),
+        "master_dtypes": sorted({str(p.dtype) for g in opt.param_groups for p in g["params"]}),
+        "finite": all(torch.isfinite(torch.tensor(s)).all().item() for s in steps(trainer)),
+    }
+
+
+def _save_model(out: Path) -> dict[str, Any]:
+    trainer = _trainer(out / "run", 3, max_steps=2)
+    trainer.train()
+    trainer.save_model(str(out / "model"))
+    gathered = _gathered(trainer)
+    if dist.get_rank() != 0:
+        return {}
+    from transformers import AutoModelForCausalLM
+
+    loaded = AutoModelForCausalLM.from_pretrained(out / "model")
+    reloaded = loaded.state_dict()
+    return {
+        "files": sorted(p.name for p in (out / "model").iterdir()),
+        "missing": sorted(set(gathered) - set(reloaded)),
+        "max_diff": max((reloaded[k] - v).abs().max().item() for k, v in gathered.items()),
+        "changed": max(
+            (v - make_model().state_dict()[k]).abs().max().item() for k, v in gathered.items()
+        ),
+    }
+
+
+def _best_model(out: Path) -> dict[str, Any]:
+    trainer = _trainer(
+        out,
+        3,
+        max_steps=6,
+        eval_strategy="steps",
+        eval_steps=2,
+        save_strategy="steps",
+        save_steps=2,
+        save_total_limit=1,
+        load_best_model_at_end=True,
+        metric_for_best_model="eval_loss",
+        greater_is_better=False,
+        learning_rate=0.05,
+    )
+    trainer.train()
+    best = trainer.state.best_model_checkpoint
+    gathered = _gathered(trainer)
+    dist.barrier()
+    from safetensors.torch import load_file
+
+    saved = load_file(Path(best) / "model.safetensors")
+    return {
+        "best": Path(best).name,
+        "kept": sorted(p.name for p in out.iterdir() if p.name.startswith("checkpoint")),
+        "evals": [e["eval_loss"] for e in trainer.state.log_history if "eval_loss" in e],
+        "max_diff": max((saved[k] - v).abs().max().item() for k, v in gathered.items()),
+    }
+
+
+def resume_one_rank(out: str) -> dict[str, Any]:
+    """Resume the 2-rank stage-2 checkpoint-3 on this single rank, same global batch."""
+    _warm()
+    trainer = _trainer(Path(out) / "resume_1rank", 2, model=make_model(seed=7))
+    trainer.train(resume_from_checkpoint=str(Path(out) / "s2" / "checkpoint-3"))
+    return {"steps": steps(trainer), "state": _gathered(trainer)}
+
+
+def bad_arguments(out: str) -> dict[str, str]:
+    """The message of every construction-time refusal (each rank raises by itself)."""
+    import zerolite
+    from zerolite.hf import ZeroTrainer
+
+    cases: dict[str, tuple[dict[str, Any], Any]] = {
+        "deepspeed": ({}, None),
+        "fsdp": ({"fsdp": "full_shard"}, None),
+        "torch_compile": ({"torch_compile": True}, None),
+        "auto_find_batch_size": ({"auto_find_batch_size": True}, None),
+        "bf16_full_eval": ({"bf16_full_eval": True}, None),
+        "contradiction": ({"bf16": True}, zerolite.ZeroConfig(param_dtype=torch.float16)),
+        "optim": ({"optim": "adafactor"}, None),
+        "fp16_cpu": ({"fp16": True}, None),
+        "stage0": ({}, zerolite.ZeroConfig(stage=0)),
+        "user_optimizer": ({}, None),
+    }
+    messages: dict[str, str] = {}
+    for name, (overrides, config) in cases.items():
+        try:
+            model = make_model()
+            if name == "user_optimizer":
+                overrides = {"optimizers": (torch.optim.Adafactor(model.parameters()), None)}
+            optimizers = overrides.pop("optimizers", (None, None))
+            args = make_args(Path(out) / name, **overrides)
+            if name == "deepspeed":  # the package is absent here: TrainingArguments refuses a path
+                args.deepspeed = "ds_config.json"
+            ZeroTrainer(
+                model=model,
+                args=args,
+                train_dataset=TokenData(),
+                zero_config=config,
+                optimizers=optimizers,
+            )
+            messages[name] = "no error"
+        except (ValueError, TypeError) as exc:
+            messages[name] = f"{type(exc).__name__}: {exc}"
+    return messages

@@ -1,0 +1,204 @@
+"""ZeroTrainer against the stock Trainer under DDP (zerolite.hf, project issue 17).
+
+Two launches: everything at 2 ranks (tests/hf_trainer_cases.py), then a resume of the same
+checkpoint at 1 rank. A tiny LlamaForCausalLM built from a config, nothing downloaded.
+Oracle: the stock ``Trainer`` (DDP) with the same seed and global batch.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from tests import hf_trainer_cases as cases
+from zerolite.testing import run_ranks
+
+TOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def out(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("hf_trainer")
+
+
+@pytest.fixture(scope="module")
+def runs(out: Path) -> dict[str, Any]:
+    return run_ranks(cases.parity_and_checkpoints, 2, str(out), timeout=240)[0]
+
+
+def _rel(a: float, b: float) -> float:
+    return abs(a - b) / max(abs(b), 1e-12)
+
+
+def _assert_steps_equal(got: list, expected: list, what: str) -> None:
+    assert len(got) == len(expected) == 6, what
+    for i, ((loss, norm), (ref_loss, ref_norm)) in enumerate(zip(got, expected)):
+        assert _rel(loss, ref_loss) <= TOL, f"{what}: step {i + 1} loss {loss} vs {ref_loss}"
+        assert _rel(norm, ref_norm) <= TOL, f"{what}: step {i + 1} grad_norm {norm} vs {ref_norm}"
+
+
+def _assert_states_close(got: dict, expected: dict, what: str) -> None:
+    assert got.keys() == expected.keys(), what
+    for name, ref in expected.items():
+        rel = (got[name].float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-12)
+        assert rel <= TOL, f"{what}: {name} differs by {rel:.2e}"
+
+
+def test_import_zerolite_does_not_import_transformers() -> None:
+    code = (
+        "import sys, zerolite; "
+        "sys.exit('transformers' in sys.modules or 'accelerate' in sys.modules)"
+    )
+    assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_loss_grad_norm_and_weights_match_ddp(runs: dict, stage: int) -> None:
+    """GA=2, max_grad_norm=0.5 (it clips: DDP's norms are ~0.8), AdamW with weight-decay groups."""
+    ddp, run = runs["ddp"], runs[f"s{stage}"]
+    assert all(norm > 0.5 for _, norm in ddp["steps"])  # clipping is active
+    _assert_steps_equal(run["steps"], ddp["steps"], f"stage {stage}")
+    _assert_states_close(run["state"], ddp["state"], f"stage {stage}")
+
+
+def test_user_optimizer_and_scheduler_are_sharded_and_match_ddp(runs: dict) -> None:
+    """optimizers=(SGD + momentum, StepLR): clipping changes SGD's update, so a wrong norm shows."""
+    ddp, run = runs["sgd_ddp"], runs["sgd_s2"]
+    _assert_steps_equal(run["steps"], ddp["steps"], "optimizers=(SGD, StepLR)")
+    assert run["lrs"] == ddp["lrs"] and len(set(run["lrs"])) == 3  # StepLR halves it every 2 steps
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_model_is_sharded_in_place_never_wrapped(runs: dict, stage: int) -> None:
+    assert runs[f"s{stage}"]["unwrapped"] and runs[f"s{stage}"]["sharded"]
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_evaluate_and_predict_match_ddp(runs: dict, stage: int) -> None:
+    ddp, run = runs["ddp"], runs[f"s{stage}"]
+    assert run["before"] == ddp["before"]  # evaluate() before train(): the model is not sharded yet
+    assert _rel(run["eval_loss"], ddp["eval_loss"]) <= TOL
+    assert _rel(run["predict_loss"], ddp["predict_loss"]) <= TOL
+    assert run["logits"].shape == ddp["logits"].shape
+    torch.testing.assert_close(run["logits"], ddp["logits"], rtol=TOL, atol=TOL)
+
+
+def test_checkpoint_holds_zerolite_checkpoint_and_trainer_files(runs: dict) -> None:
+    files = set(runs["checkpoint_files"])
+    assert {
+        "zerolite",
+        "trainer_state.json",
+        "scheduler.pt",
+        "rng_state_0.pth",
+        "rng_state_1.pth",
+        "model.safetensors",
+        "config.json",
+    } <= files
+    assert "optimizer.pt" not in files  # rank 0's pickle of a sharded optimizer would be wrong
+
+
+@pytest.mark.parametrize("run", ["resume_s2", "resume_s3", "resume_true"])
+def test_resume_from_checkpoint_3_matches_the_straight_run(runs: dict, run: str) -> None:
+    """From a differently initialised model: 2 -> 2 ranks, stage 2 -> 3, and resume=True."""
+    _assert_steps_equal(runs[run]["steps"], runs["s2"]["steps"], run)
+    if "state" in runs[run]:
+        _assert_states_close(runs[run]["state"], runs["s2"]["state"], run)
+
+
+def test_mixin_combines_with_a_trainer_subclass(runs: dict) -> None:
+    assert runs["resume_true"]["custom_loss_calls"] == 3 * 2  # steps 4-6, two micro-batches each
+
+
+def test_resume_at_one_rank_matches_the_two_rank_run(runs: dict, out: Path) -> None:
+    one = run_ranks(cases.resume_one_rank, 1, str(out), timeout=240)[0]
+    _assert_steps_equal(one["steps"], runs["s2"]["steps"], "2 -> 1 ranks")
+    _assert_states_close(one["state"], runs["s2"]["state"], "2 -> 1 ranks")
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_stage3_with_gradient_checkpointing_matches_ddp(runs: dict, reentrant: bool) -> None:
+    _assert_steps_equal(
+        runs[f"gc_reentrant_{reentrant}"]["steps"], runs["ddp"]["steps"], f"{reentrant=}"
+    )
+
+
+def test_bf16_args_mean_bf16_parameters_and_fp32_masters(runs: dict) -> None:
+    bf16 = runs["bf16"]
+    assert bf16 == {
+        "stage": 2,
+        "param_dtypes": ["torch.bfloat16"],
+        "master_dtypes": ["torch.float32"],
+        "finite": True,
+    }
+
+
+def test_save_model_then_from_pretrained_gives_the_gathered_parameters(runs: dict) -> None:
+    saved = runs["save_model"]
+    assert {"model.safetensors", "config.json"} <= set(saved["files"])
+    assert saved["missing"] == []
+    assert saved["max_diff"] == 0.0
+    assert saved["changed"] > 0  # trained: not the initial weights
+
+
+def test_load_best_model_at_end_with_save_total_limit(runs: dict) -> None:
+    best = runs["best"]
+    evals = best["evals"]
+    assert best["best"] == f"checkpoint-{2 * (evals.index(min(evals)) + 1)}"
+    assert best["kept"] == [best["best"]]  # save_total_limit=1 keeps only the best at the end
+    assert best["max_diff"] == 0.0  # the model holds the best checkpoint's weights
+
+
+@pytest.mark.parametrize(
+    ("case", "expected"),
+    [
+        ("deepspeed", "ValueError: ZeroTrainer cannot honour args.deepspeed="),
+        ("fsdp", "ValueError: ZeroTrainer cannot honour args.fsdp="),
+        ("torch_compile", "ValueError: ZeroTrainer cannot honour args.torch_compile=True"),
+        (
+            "auto_find_batch_size",
+            "ValueError: ZeroTrainer cannot honour args.auto_find_batch_size=True",
+        ),
+        ("bf16_full_eval", "ValueError: ZeroTrainer cannot honour args.bf16_full_eval=True"),
+        (
+            "contradiction",
+            "ValueError: zero_config.param_dtype=torch.float16 contradicts args.bf16=True",
+        ),
+        (
+            "optim",
+            (
+                "TypeError: args.optim='adafactor': "
+                "transformers.optimization.Adafactor cannot be sharded"
+            ),
+        ),
+        ("fp16_cpu", "ValueError: args.fp16=True needs a CUDA device"),
+        ("stage0", "ValueError: ZeroConfig.stage=0 is plain DDP"),
+        (
+            "user_optimizer",
+            "TypeError: optimizers=: torch.optim.Adafactor cannot be sharded",
+        ),
+    ],
+)
+def test_unsupported_arguments_are_refused_at_construction(
+    runs: dict, case: str, expected: str
+) -> None:
+    assert runs["errors"][case].startswith(expected), runs["errors"][case]
+
+
+def test_args_bf16_fills_param_dtype_unless_the_config_sets_it(monkeypatch) -> None:
+    from types import SimpleNamespace
+
+    import zerolite
+    from zerolite.hf import zero_config_for_args
+
+    monkeypatch.delenv("ZEROLITE_PARAM_DTYPE", raising=False)
+    args = SimpleNamespace(bf16=True, fp16=False, device=torch.device("cpu"))
+    assert zero_config_for_args(args, zerolite.ZeroConfig(stage=3)).param_dtype == torch.bfloat16
+    explicit = zerolite.ZeroConfig(stage=3, param_dtype=torch.float32)  # bf16 autocast, fp32 params
+    assert zero_config_for_args(args, explicit).param_dtype == torch.float32
