@@ -5,9 +5,13 @@ unsharded ``model.state_dict()``. safetensors has no streaming writer (``save_fi
 needs every tensor alive at once), so zerolite writes the format itself -- an 8-byte
 little-endian header length, the JSON header, then raw little-endian data -- one
 parameter at a time, and checks the result with ``safe_open``. A tied parameter is
-stored once, under its first name, and its other names are recorded in the header's
-``__metadata__["aliases"]`` (safetensors refuses shared storage). Each read reopens the
-source file, since an open ``safe_open`` handle keeps its pages mapped (DESIGN §5).
+written under each of its names, so ``model.load_state_dict(load_file(out))`` works with
+``strict=True`` (what ``torch.save(model.state_dict())`` users expect): safetensors refuses
+shared storage and overlapping data offsets, so the data is written twice, costing one
+extra tensor on disk (e.g. GPT-2's 154 MB fp32 embedding) but no extra memory (it is read
+again). The header's ``__metadata__["aliases"]`` records ``{alias: first name}`` so a
+reader can re-tie or drop the copy. Each read reopens the source file, since an open
+``safe_open`` handle keeps its pages mapped (DESIGN §5).
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import struct
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +36,7 @@ from zerolite.checkpoint.format import (
     read_index,
 )
 
-__all__ = ["consolidate", "verify", "inspect", "dtype_arg"]
+__all__ = ["consolidate", "dtype_arg", "inspect", "verify"]
 
 _SAFETENSORS_DTYPE = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
@@ -76,25 +81,32 @@ def _numel(shape: list[int]) -> int:
     return n
 
 
+def _aliases(index: dict[str, Any]) -> dict[str, str]:
+    """``{tied name: the first name it is saved under}``, for every tied parameter
+    (``tied``: also frozen and non-optimized ones; older checkpoints: trained ones only)."""
+    trained = {a: p["name"] for p in index["params"] for a in p["aliases"]}
+    return {**index.get("tied", {}), **trained}
+
+
 def _entries(path: Path, index: dict[str, Any], dtype: torch.dtype | None) -> list[tuple[str, list[int], torch.dtype, str]]:
-    """(name, shape, output dtype, kind) in state-dict order; kind is 'param' or 'model'."""
-    out = []
+    """(name, shape, output dtype, kind) in state-dict order; kind is 'param', 'frozen' or
+    'model'. A tied name gets its first name's entry (its data is read from there)."""
     params = {p["name"]: p for p in index["params"]}
     frozen = {p["name"]: p for p in index.get("frozen", [])}
     with safe_open(path / index["files"][0]["file"], framework="pt") as f:
         model_shapes = {k[len("model/"):]: (f.get_slice(k).get_shape(), f.get_slice(k).get_dtype())
                         for k in f.keys() if k.startswith("model/")}
-    aliases = {a for p in index["params"] for a in p["aliases"]}
+    aliases = _aliases(index)
+    out = []
     for name in index["state_dict_keys"]:
-        if name in aliases:
-            continue
-        if name in params:
-            out.append((name, params[name]["shape"], dtype or torch.float32, "param"))
-        elif name in frozen:
-            saved_dtype = dtype_from_name(frozen[name]["dtype"])
-            out.append((name, frozen[name]["shape"], dtype or saved_dtype, "frozen"))
-        elif name in model_shapes:
-            shape, saved = model_shapes[name]
+        source = aliases.get(name, name)
+        if source in params:
+            out.append((name, params[source]["shape"], dtype or torch.float32, "param"))
+        elif source in frozen:
+            saved_dtype = dtype_from_name(frozen[source]["dtype"])
+            out.append((name, frozen[source]["shape"], dtype or saved_dtype, "frozen"))
+        elif source in model_shapes:
+            shape, saved = model_shapes[source]
             saved_dtype = _from_safetensors(saved)
             cast = dtype if dtype is not None and saved_dtype.is_floating_point else saved_dtype
             out.append((name, list(shape), cast, "model"))
@@ -128,7 +140,13 @@ def _read_param(path: Path, index: dict[str, Any], name: str, numel: int, kind: 
     return full
 
 
-def consolidate(path: str | os.PathLike, out_file: str | os.PathLike, dtype: torch.dtype | None = None) -> Path:
+def consolidate(
+    path: str | os.PathLike,
+    out_file: str | os.PathLike,
+    dtype: torch.dtype | None = None,
+    *,
+    progress: Callable[[int, int, str], None] | None = None,
+) -> Path:
     """Write checkpoint ``path`` as one safetensors file matching the unsharded state dict.
 
     Single process; peak memory about one parameter. Verifies the checkpoint first.
@@ -137,6 +155,7 @@ def consolidate(path: str | os.PathLike, out_file: str | os.PathLike, dtype: tor
         path: checkpoint directory.
         out_file: the ``.safetensors`` file to write (replaced atomically).
         dtype: dtype of parameters (and floating buffers); None keeps the fp32 masters.
+        progress: called as ``progress(done, total, name)`` after each tensor is written.
     Returns:
         ``out_file`` as a `Path`.
     """
@@ -149,7 +168,7 @@ def consolidate(path: str | os.PathLike, out_file: str | os.PathLike, dtype: tor
         size = _numel(shape) * torch.empty(0, dtype=out_dtype).element_size()
         header[name] = {"dtype": _SAFETENSORS_DTYPE[out_dtype], "shape": shape, "data_offsets": [offset, offset + size]}
         offset += size
-    aliases = {a: p["name"] for p in index["params"] for a in p["aliases"]}
+    aliases = _aliases(index)
     header["__metadata__"] = {"format": "pt", "aliases": json.dumps(aliases)}
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
@@ -157,14 +176,18 @@ def consolidate(path: str | os.PathLike, out_file: str | os.PathLike, dtype: tor
     with open(tmp, "wb") as f:
         f.write(struct.pack("<Q", len(raw)))
         f.write(raw)
-        for name, shape, out_dtype, kind in entries:
+        for done, (name, shape, out_dtype, kind) in enumerate(entries, 1):
             if kind in ("param", "frozen"):
-                tensor = _read_param(path, index, name, _numel(shape), kind).to(out_dtype)
+                source = aliases.get(name, name)
+                tensor = _read_param(path, index, source, _numel(shape), kind).to(out_dtype)
             else:
                 with safe_open(path / index["files"][0]["file"], framework="pt") as src:
-                    tensor = src.get_tensor(model_key(name)).to(out_dtype).reshape(-1)
+                    tensor = src.get_tensor(model_key(aliases.get(name, name)))
+                tensor = tensor.to(out_dtype).reshape(-1)
             f.write(memoryview(tensor.contiguous().view(torch.uint8).numpy()))
             del tensor
+            if progress is not None:
+                progress(done, len(entries), name)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, out_file)

@@ -3,13 +3,17 @@
 Each rank reads only the element ranges it owns under the *current* layout, from
 whichever files hold them (``get_slice`` reads part of a tensor without loading it).
 Everything is read and checked first -- file sizes and hashes (spread over the ranks,
-the verdict shared), names, shapes, dtypes, optimizer class, coverage of every range --
-and ranks agree before any model, optimizer or RNG state changes, so a bad checkpoint
-fails on every rank together with an error naming the file or parameter.
+the verdict shared), names, shapes, dtypes, optimizer class, coverage of every range,
+param groups by parameter name (`zerolite.checkpoint.groups`), the number and classes of
+LR schedulers (`zerolite.checkpoint.schedulers`) -- and ranks agree before any model,
+optimizer or RNG state changes, so a bad checkpoint fails on every rank together with an
+error naming the file, parameter or scheduler. Read ranges are copied into storage of
+their own: a safetensors slice is a view of the whole saved tensor.
 """
 
 from __future__ import annotations
 
+import json
 import os
 from collections import defaultdict
 from collections.abc import Sequence
@@ -22,6 +26,7 @@ from torch import nn
 
 from zerolite import phases
 from zerolite.checkpoint.format import (
+    LATEST,
     CheckpointError,
     check_file,
     frozen_key,
@@ -30,10 +35,14 @@ from zerolite.checkpoint.format import (
     read_index,
     state_key,
 )
+from zerolite.checkpoint.groups import check_groups, piece_groups, saved_groups
+from zerolite.checkpoint.json_codec import decode
 from zerolite.checkpoint.save import model_only_tensors
+from zerolite.checkpoint.schedulers import apply_schedulers, plan_schedulers, restore_schedulers
+from zerolite.collectives import all_gather_bytes
 from zerolite.consensus import RankMismatchError, agree
 from zerolite.meta_init import mark_loaded
-from zerolite.optim.sharded_optimizer import ShardedOptimizer
+from zerolite.optim.sharded_optimizer import ShardedOptimizer, require_sharded_optimizer
 
 __all__ = ["load"]
 
@@ -86,6 +95,9 @@ class _RangeReader:
 
     def read(self, key_of: Any, name: str, start: int, end: int, scalar: bool = False) -> torch.Tensor:
         """Elements [start, end) of ``name``'s tensor ``key_of(name, s, e)``; 0-dim if ``scalar``."""
+        # Every returned tensor is a copy in its own storage: a safetensors slice is a view
+        # of the whole saved tensor (mapped from the file), which optimizer state would
+        # otherwise keep alive -- the saved shard's size, not this rank's piece.
         parts: list[torch.Tensor] = []
         covered = start
         for file, s, e in sorted(self.ranges[name], key=lambda r: r[1]):
@@ -100,10 +112,10 @@ class _RangeReader:
                 if key not in f.keys():
                     raise CheckpointError(f"{self.path / file}: no tensor {key!r}")
                 if scalar:
-                    return f.get_tensor(key)
-                parts.append(f.get_slice(key)[lo - s : hi - s])
+                    return f.get_tensor(key).clone()
+                parts.append(f.get_slice(key)[lo - s : hi - s].clone())
             covered = hi
-        if covered != end:
+        if covered != end or not parts:
             raise CheckpointError(f"parameter {name!r}: elements [{covered}, {end}) are in no shard file")
         return torch.cat(parts) if len(parts) > 1 else parts[0]
 
@@ -175,38 +187,91 @@ def load(
     *,
     schedulers: Sequence[Any] = (),
 ) -> Any:
-    """Restore ``model`` and ``optimizer`` from checkpoint ``path``; returns its ``extra``.
+    """Restore ``model``, ``optimizer`` and ``schedulers`` from checkpoint ``path``.
 
     Every rank must call. Works at any world size, stage and bucket size relative to
     the save. RNG states are restored per rank when the world size is unchanged;
     otherwise every rank reseeds deterministically from the saved rank-0 state and its
-    new rank.
+    new rank. Loaded optimizer state is held in its own storage, exactly as a fresh
+    shard's (nothing of the saved files stays referenced).
 
+    Args:
+        path: a checkpoint directory (e.g. ``checkpoint.latest(root)``).
+        model: the model ``optimizer`` was sharded with.
+        optimizer: its `ShardedOptimizer`, with its param groups in the order of the save.
+        schedulers: the LR schedulers given to `save`, same number, classes and order.
+    Returns:
+        The ``extra`` value given to `save`, with its types (int keys, tuples, ...).
     Raises:
+        TypeError: ``optimizer`` is not a `ShardedOptimizer`, or ``schedulers`` is not a
+            list of schedulers.
+        ValueError: ``model`` is not the model ``optimizer`` was sharded with.
         zerolite.checkpoint.CheckpointError: on every rank, before anything changes, if a
-            file is missing, truncated or corrupt, or the checkpoint does not fit.
+            file is missing, truncated or corrupt, or the checkpoint does not fit: other
+            parameters, optimizer class or param groups (grouped differently), or other
+            schedulers (number or classes) than at save.
     """
+    optimizer = require_sharded_optimizer(optimizer, "zerolite.checkpoint.load()")
     with phases.phase("load"):
         extra = _load(Path(path), model, optimizer, schedulers)
     mark_loaded(model, None)
     return extra
 
 
+def _holds_parameters_of(model: nn.Module, optimizer: ShardedOptimizer) -> bool:
+    """Whether ``model`` holds the parameters ``optimizer`` shards (a wrapper of its model)."""
+    own = {id(p) for p in model.parameters()}
+    return all(id(p) in own for flat in optimizer.flats for p in flat.params)
+
+
+def _read_checked_index(path: Path, rank: int, world_size: int) -> dict[str, Any]:
+    try:
+        index = read_index(path)
+    except CheckpointError as exc:
+        if (path / LATEST).is_file():  # a root of checkpoints, not one checkpoint
+            hint = f"zerolite.checkpoint.latest({str(path)!r})"
+            raise CheckpointError(f"{exc}; {path} is a root of checkpoints: load {hint}") from None
+        raise
+    _verify_files(path, index, rank, world_size)
+    return index
+
+
 def _load(path: Path, model: nn.Module, optimizer: ShardedOptimizer, schedulers: Sequence[Any]) -> Any:
     group = optimizer.group
     error: BaseException | None = None
     try:
-        index = read_index(path)
-        _verify_files(path, index, group.rank, group.size)
+        if optimizer.model is not model and not _holds_parameters_of(model, optimizer):
+            raise ValueError(
+                "zerolite.checkpoint.load(): model is not the model this optimizer was sharded "
+                "with; pass the model given to zerolite.shard() together with its optimizer"
+            )
+        index = _read_checked_index(path, group.rank, group.size)
     except Exception as exc:
         error = exc
     _agree("zerolite.checkpoint.load() (verifying files)", error, group)
+    # Each rank knows the group of only its own pieces: gather the optimizer's grouping.
+    current_groups: dict[str, int] = {}
+    for payload in all_gather_bytes(json.dumps(piece_groups(optimizer)).encode(), group,
+                                    what="checkpoint.load() (param groups)"):
+        current_groups.update(json.loads(payload))
     pieces: list = []
     model_tensors: dict[str, torch.Tensor] = {}
     frozen_pieces: list[tuple[Any, Any, torch.Tensor]] = []
     rng: torch.Tensor | None = None
+    extra: Any = None
+    hyper: list[dict[str, Any]] = []
+    loaded_schedulers: list[tuple[Any, Any]] = []
     try:
         _check_model(index, optimizer)
+        check_groups(saved_groups(index), current_groups, path)
+        planned_schedulers = plan_schedulers(index, schedulers, path)
+        try:
+            extra = decode(index.get("extra"), "extra")
+            # Plain JSON decodes to itself; typed entries (a tuple, inf) to their values.
+            saved_hyper = index["optimizer"]["param_groups"]
+            hyper = [decode(g, f"param group {i}") for i, g in enumerate(saved_hyper)]
+        except ValueError as exc:
+            raise CheckpointError(f"{path}: {exc}") from None
         pieces = _read_rank_state(path, index, optimizer)
         source = _ModelTensors(path, index)
         for name, target in model_only_tensors(model, optimizer).items():
@@ -226,17 +291,31 @@ def _load(path: Path, model: nn.Module, optimizer: ShardedOptimizer, schedulers:
         rng_file = path / index["files"][group.rank if same_world else 0]["file"]
         with safe_open(rng_file, framework="pt") as f:
             rng = f.get_tensor("rng/cpu")
+        # Last, and undone below if a peer failed: schedulers are the only state a load
+        # attempt changes before the ranks agree (a custom one may fail in load_state_dict).
+        loaded_schedulers = apply_schedulers(planned_schedulers)
+    except (KeyError, IndexError) as exc:  # a hand-edited or foreign index
+        error = CheckpointError(
+            f"{path}: the index lacks an entry ({type(exc).__name__}: {exc}); it was edited or "
+            "written by another zerolite version"
+        )
     except Exception as exc:
         error = exc
-    _agree("zerolite.checkpoint.load() (reading)", error, group)
-    # Nothing has changed so far; from here on every read has succeeded on every rank.
+    try:
+        _agree("zerolite.checkpoint.load() (reading)", error, group)
+    except BaseException:
+        restore_schedulers(loaded_schedulers)
+        raise
+    # Nothing else has changed so far; from here on every read has succeeded on every rank.
     for tensor, values, state in pieces:
         tensor.copy_(values)
         optimizer.state[tensor] = {k: v.to(tensor.device) for k, v in state.items()}
-    for group_dict, saved in zip(optimizer.param_groups, index["optimizer"]["param_groups"]):
+    for group_dict, saved in zip(optimizer.param_groups, hyper):
         for key, value in saved.items():
             current = group_dict.get(key)
-            group_dict[key] = tuple(value) if isinstance(current, tuple) else value
+            # Plain-JSON indexes hold tuples (betas) as lists.
+            legacy_tuple = isinstance(current, tuple) and isinstance(value, list)
+            group_dict[key] = tuple(value) if legacy_tuple else value
     targets = model_only_tensors(model, optimizer)
     for name, tensor in model_tensors.items():
         targets[name].copy_(tensor)
@@ -248,8 +327,6 @@ def _load(path: Path, model: nn.Module, optimizer: ShardedOptimizer, schedulers:
             torch.set_rng_state(rng)
         else:
             torch.manual_seed(int.from_bytes(bytes(rng[:8].tolist()), "little") + group.rank)
-    if optimizer.loss_scaler is not None and index["loss_scaler"] is not None:
+    if optimizer.loss_scaler is not None and index.get("loss_scaler") is not None:
         optimizer.loss_scaler.load_state_dict(index["loss_scaler"])
-    for scheduler, state in zip(schedulers, index["schedulers"]):
-        scheduler.load_state_dict(state)
-    return index["extra"]
+    return extra

@@ -29,19 +29,96 @@ from zerolite.zero import SHARDED_OPTIMIZER_ATTR
 __all__ = ["load_pretrained"]
 
 
-def _files(files: str | os.PathLike | Sequence[str | os.PathLike]) -> list[Path]:
+def _read_weight_map(index_file: Path) -> dict[str, str]:
+    try:
+        weight_map = json.loads(index_file.read_text())["weight_map"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise CheckpointError(
+            f"{index_file}: not a safetensors index ({type(exc).__name__}: {exc}); pass the "
+            "*.safetensors.index.json written with the files (it has a 'weight_map')"
+        ) from None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise CheckpointError(f"{index_file}: 'weight_map' must map tensor names to file names")
+    return weight_map
+
+
+def _files(
+    files: str | os.PathLike | Sequence[str | os.PathLike],
+) -> tuple[list[Path], dict[str, Path]]:
+    """The files to read, and the tensor -> file map of the indexes among ``files``."""
     items = [files] if isinstance(files, (str, os.PathLike)) else list(files)
     out: list[Path] = []
+    mapped: dict[str, Path] = {}
     for item in map(Path, items):
         if item.name.endswith(".index.json"):
-            weight_map = json.loads(item.read_text())["weight_map"]
-            out += [item.parent / f for f in dict.fromkeys(weight_map.values())]
+            for key, name in _read_weight_map(item).items():
+                file = item.parent / name
+                if key in mapped and mapped[key].resolve() != file.resolve():
+                    raise CheckpointError(
+                        f"{item}: {key!r} is mapped to {file} here and to {mapped[key]} by "
+                        "another index"
+                    )
+                mapped[key] = file
+                out.append(file)
         else:
             out.append(item)
+    out = list({p.resolve(): p for p in out}.values())  # each file once
+    if not out:
+        raise CheckpointError(
+            "load_pretrained: no files given; pass a .safetensors file, several, or an index"
+        )
     for path in out:
         if not path.is_file():
             raise CheckpointError(f"{path}: no such safetensors file")
-    return out
+    return out, mapped
+
+
+def _shapes(path: Path) -> list[tuple[str, list[int]]]:
+    """(name, shape) of every tensor in safetensors file ``path``, reading only its header."""
+    try:
+        with safe_open(path, framework="pt") as f:
+            return [(key, list(f.get_slice(key).get_shape())) for key in f.keys()]
+    except Exception as exc:  # safetensors' own error types vary by version
+        raise CheckpointError(
+            f"{path}: not a readable safetensors file ({type(exc).__name__}: {exc}); "
+            "load_pretrained reads .safetensors files only (convert .bin files first)"
+        ) from None
+
+
+def _locate(paths: list[Path], mapped: dict[str, Path]) -> dict[str, tuple[Path, list[int]]]:
+    """``{tensor name: (file, shape)}``. A name in two files, or in a file its index's
+    ``weight_map`` does not name for it, is ambiguous: refused, naming the files."""
+    where: dict[str, tuple[Path, list[int]]] = {}
+    indexed = {p.resolve() for p in mapped.values()}
+    for path in paths:
+        for key, shape in _shapes(path):
+            named = mapped.get(key)
+            if named is not None and named.resolve() != path.resolve():
+                raise CheckpointError(
+                    f"load_pretrained: tensor {key!r} is in {path}, but the index's "
+                    f"weight_map puts it in {named}: the files disagree with their index "
+                    "(remove the stray copy or fix the index)"
+                )
+            if named is None and path.resolve() in indexed:
+                raise CheckpointError(
+                    f"load_pretrained: tensor {key!r} is in {path}, which its index's "
+                    "weight_map lists, but the weight_map does not name it: fix the index "
+                    "or the file"
+                )
+            if key in where:
+                raise CheckpointError(
+                    f"load_pretrained: tensor {key!r} is in both {where[key][0]} and {path}; "
+                    "pass the *.safetensors.index.json that says which file holds it"
+                )
+            where[key] = (path, shape)
+    absent = sorted(k for k in mapped if k not in where)
+    if absent:
+        more = f" ({len(absent)} tensors in all: {absent[:5]})" if len(absent) > 1 else ""
+        raise CheckpointError(
+            f"load_pretrained: the weight_map puts {absent[0]!r} in {mapped[absent[0]]}, which "
+            f"does not hold it{more}: the index does not match the files"
+        )
+    return where
 
 
 def _read_range(path: Path, key: str, start: int, end: int) -> torch.Tensor:
@@ -76,7 +153,9 @@ def load_pretrained(
             tensor in the files must belong to the model.
     Raises:
         zerolite.checkpoint.CheckpointError: on every rank, before anything changes: a
-            missing or unexpected name (strict), or a shape that differs.
+            missing or unexpected name (strict), a shape that differs, an unreadable index,
+            or an ambiguous name: in two files, or in a file its index's ``weight_map``
+            does not name for it (the map decides; a disagreeing file is an error).
     """
     opt = getattr(model, SHARDED_OPTIMIZER_ATTR, None)
     if opt is None:
@@ -90,7 +169,8 @@ def _load(model: nn.Module, opt, files: str | os.PathLike | Sequence[str | os.Pa
     plan: list = []
     loaded: list[str] = []
     try:
-        plan, loaded = _plan(model, opt, _files(files), strict)
+        paths, mapped = _files(files)
+        plan, loaded = _plan(model, opt, _locate(paths, mapped), strict)
     except Exception as exc:  # every rank must learn of it
         error = exc
     try:
@@ -104,15 +184,10 @@ def _load(model: nn.Module, opt, files: str | os.PathLike | Sequence[str | os.Pa
 
 
 def _plan(
-    model: nn.Module, opt, paths: list[Path], strict: bool  # noqa: ANN001
+    model: nn.Module, opt, where: dict[str, tuple[Path, list[int]]], strict: bool  # noqa: ANN001
 ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], list[str]]:
     """Read everything this rank needs: (destination, values) pairs and the names loaded.
     Changes nothing."""
-    where: dict[str, tuple[Path, list[int]]] = {}
-    for path in paths:
-        with safe_open(path, framework="pt") as f:
-            for key in f.keys():
-                where[key] = (path, list(f.get_slice(key).get_shape()))
     aliases: dict[int, list[str]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         aliases.setdefault(id(p), []).append(name)
@@ -156,6 +231,9 @@ def _plan(
             plan.append((tensor, f.get_tensor(key).to(tensor.dtype)))
     if strict and missing:
         raise CheckpointError(f"load_pretrained: not in the files: {sorted(set(missing))[:8]}")
+    for names in aliases.values():  # a tied weight's other names in the files: the same tensor
+        if used.intersection(names):
+            used.update(n for n in names if n in where)
     unexpected = sorted(set(where) - used)
     if strict and unexpected:
         raise CheckpointError(f"load_pretrained: not in the model: {unexpected[:8]}")

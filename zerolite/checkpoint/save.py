@@ -2,27 +2,30 @@
 
 The sequence, and what a crash at each point leaves behind:
 
-1. Every rank validates (``extra`` is JSON, the target does not exist unless
-   ``overwrite``), and the ranks agree -- nothing is written if any rank objects.
+1. Every rank validates (the directory name, ``extra`` is JSON, the target does not
+   exist unless ``overwrite``). Rank 0 then takes the root's save lock, finishes what an
+   earlier crashed overwrite left (`zerolite.checkpoint.commit.recover`) and checks the
+   target again; its verdict is shared, and the ranks agree -- nothing is written if any
+   rank objects or another job is saving into the same root.
 2. Rank 0 creates a hidden sibling ``.{name}.tmp-{token}``; every rank writes and
    fsyncs its own ``rank-r-of-N.safetensors`` there; rank 0 collects sizes and hashes
-   and writes ``index.json`` last.  A crash here leaves only the hidden directory.
-3. Rank 0 renames the directory into place, fsyncs the parent, then replaces the
-   ``latest`` pointer (``os.replace``).  A crash between the two leaves a complete
-   checkpoint that ``latest`` does not name yet; the previous one is still named.
+   and writes ``index.json`` and then its checksum ``index.json.sha256``. A crash here
+   leaves only the hidden directory.
+3. Rank 0 puts the directory in place and moves the ``latest`` pointer
+   (`zerolite.checkpoint.commit.commit`): at every instant ``latest`` names a complete
+   checkpoint, also while an existing one is being replaced.
 4. Leftover hidden directories of earlier, interrupted saves in the same root are
-   removed.
+   removed (never the one ``latest`` names), and the lock is released.
 
 Every rank must call `save`; ranks learn of each other's failures at each phase, so a
-failed rank never leaves the others waiting. Several machines need a shared filesystem.
+failed rank never leaves the others waiting. Several machines need a shared filesystem
+(with working ``flock``; without it the save warns and goes on unlocked).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
-import signal
 import uuid
 from collections.abc import Sequence
 from pathlib import Path
@@ -33,14 +36,28 @@ from safetensors.torch import save as safetensors_bytes
 from torch import nn
 
 from zerolite._version import __version__
+from zerolite.checkpoint.commit import (
+    FAULT_ENV,
+    SaveLock,
+    commit,
+    fault_point,
+    fsync_dir,
+    read_pointer,
+    recover,
+    remove_leftovers,
+    write_atomic,
+)
 from zerolite.checkpoint.format import (
     FORMAT,
     INDEX,
-    LATEST,
+    INDEX_DIGEST,
     VERSION,
+    CheckpointError,
+    checkpoint_name_problem,
     dtype_name,
     file_digest,
     frozen_key,
+    index_digest_text,
     master_key,
     model_key,
     read_index,
@@ -48,28 +65,14 @@ from zerolite.checkpoint.format import (
     state_key,
     to_json_value,
 )
+from zerolite.checkpoint.groups import piece_groups
+from zerolite.checkpoint.json_codec import encode
+from zerolite.checkpoint.schedulers import scheduler_entries
 from zerolite.collectives import all_gather_bytes
 from zerolite.consensus import agree
 from zerolite.optim.sharded_optimizer import ShardedOptimizer
 
-__all__ = ["save", "latest", "FAULT_ENV"]
-
-# Test-only fault injection: "PHASE:RANK" makes that rank SIGKILL itself at PHASE
-# ("writing", "before_rename" or "before_latest").
-FAULT_ENV = "ZEROLITE_CHECKPOINT_FAULT"
-
-
-def _fault_point(phase: str, rank: int) -> None:
-    if os.environ.get(FAULT_ENV) == f"{phase}:{rank}":
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+__all__ = ["FAULT_ENV", "latest", "save"]
 
 
 def rank_tensors(model: nn.Module, opt: ShardedOptimizer) -> tuple[dict[str, torch.Tensor], list[list], list[list]]:
@@ -131,6 +134,8 @@ def _index(model: nn.Module, opt: ShardedOptimizer, schedulers: Sequence[Any], e
     aliases: dict[int, list[str]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         aliases.setdefault(id(p), []).append(name)
+    # Every tied name -> the name it is saved under (the first), frozen ones included.
+    tied = {alias: names[0] for names in aliases.values() for alias in names[1:]}
     group_of = {id(t): g for g, group in enumerate(opt.param_groups) for t in group["params"]}
     params = []
     for flat, master in zip(opt.flats, opt.masters):
@@ -167,10 +172,12 @@ def _index(model: nn.Module, opt: ShardedOptimizer, schedulers: Sequence[Any], e
             for flat in opt.frozen_flats for i, name in enumerate(flat.names)
         ],
         "state_dict_keys": state_dict_names(model),
+        "tied": tied,
         "step": int(max(steps)) if steps else None,
         "loss_scaler": None if opt.loss_scaler is None else opt.loss_scaler.state_dict(),
-        "schedulers": [to_json_value(s.state_dict(), f"scheduler {i}") for i, s in enumerate(schedulers)],
-        "extra": extra,
+        # Typed, lossless JSON (json_codec): a Counter, int keys or a tuple come back as such.
+        "schedulers": scheduler_entries(schedulers),
+        "extra": encode(extra, "extra"),
         "files": [],
     }
 
@@ -197,36 +204,84 @@ def save(
         optimizer: its `ShardedOptimizer`.
         schedulers: LR schedulers (any object with ``state_dict()`` returning JSON-able data).
         extra: any JSON-serialisable value, returned by `load` (e.g. the data position).
-        overwrite: replace an existing checkpoint at ``path`` (its old copy survives under
-            a hidden name until the new one is in place).
+        overwrite: replace an existing checkpoint at ``path``; ``latest`` names a complete
+            copy (the old one, then the new one) at every instant of the replacement.
     Returns:
         ``path`` as a `Path`.
     Raises:
-        ValueError: ``extra`` or scheduler state is not JSON-serialisable, or ``path``
-            exists without ``overwrite`` -- before anything is written, on every rank.
+        ValueError: ``path``'s name is not a plain directory name (whitespace around it,
+            separators, control characters, a leading '.'), ``extra`` or scheduler state is
+            not JSON-serialisable, or ``path`` exists without ``overwrite`` -- before
+            anything is written, on every rank.
+        zerolite.checkpoint.CheckpointError: another job is saving into ``path``'s parent
+            (it holds the root's lock) -- before anything is written, on every rank.
     """
     path = Path(path)
     group = optimizer.group
     error: BaseException | None = None
     index: dict[str, Any] = {}
     try:
-        if path.exists() and not overwrite:
-            raise ValueError(f"checkpoint path {path} already exists; pass overwrite=True to replace it")
-        try:
-            json.dumps(extra)
-        except (TypeError, ValueError) as exc:
-            raise ValueError(f"extra must be JSON-serialisable: {exc}") from None
+        problem = checkpoint_name_problem(path.name)
+        if problem is not None:
+            raise ValueError(
+                f"checkpoint path {str(path)!r}: {problem}; use a plain directory name"
+            )
+        _check_target(path, overwrite)
+        # No json.dumps(extra) check here: _index encodes ``extra`` losslessly (int keys,
+        # tuples, Counter...) and its ValueError names the key that cannot be stored.
         index = _index(model, optimizer, schedulers, extra)
         json.dumps(index)
     except Exception as exc:
         error = exc
-    agree("zerolite.checkpoint.save()", [], error, group)
-    # Phase 2: write into a hidden sibling named by rank 0's token.
-    token = all_gather_bytes(
-        uuid.uuid4().hex.encode() if group.rank == 0 else b"", group, what="checkpoint.save() (naming the directory)"
-    )[0].decode()
-    tmp = path.parent / f".{path.name}.tmp-{token}"
-    error = None
+    lock: SaveLock | None = None
+    verdict: dict[str, str] = {"token": uuid.uuid4().hex}
+    try:
+        if group.rank == 0 and error is None:
+            try:
+                lock = SaveLock(path.parent)
+                recover(path.parent)
+                _check_target(path, overwrite)  # recovery may have put ``path`` back
+            except Exception as exc:
+                error = exc
+                verdict.update(type=type(exc).__name__, message=str(exc))
+        # Rank 0's verdict (lock, recovery, target) and its token for the directory name.
+        shared = json.loads(all_gather_bytes(
+            json.dumps(verdict).encode() if group.rank == 0 else b"", group,
+            what="checkpoint.save() (taking the root's lock)",
+        )[0])
+        if error is None and "message" in shared:
+            kind = ValueError if shared["type"] == "ValueError" else CheckpointError
+            error = kind(shared["message"])
+        agree("zerolite.checkpoint.save()", [], error, group)
+        tmp = path.parent / f".{path.name}.tmp-{shared['token']}"
+        _write_and_commit(path, model, optimizer, index, tmp, overwrite, shared["token"])
+    finally:
+        if lock is not None:
+            lock.release()
+    return path
+
+
+def _check_target(path: Path, overwrite: bool) -> None:
+    if path.exists() and not overwrite:
+        raise ValueError(
+            f"checkpoint path {path} already exists; pass overwrite=True to replace it"
+        )
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"checkpoint path {path} exists and is not a directory; not replaced")
+
+
+def _write_and_commit(
+    path: Path,
+    model: nn.Module,
+    optimizer: ShardedOptimizer,
+    index: dict[str, Any],
+    tmp: Path,
+    overwrite: bool,
+    token: str,
+) -> None:
+    """Phases 2-4 of the module docstring; every rank calls, rank 0 holds the lock."""
+    group = optimizer.group
+    error: BaseException | None = None
     record = b""
     try:
         if group.rank == 0:
@@ -236,7 +291,10 @@ def save(
     agree("zerolite.checkpoint.save() (creating the directory)", [], error, group)
     try:
         tensors, pieces, frozen_pieces = rank_tensors(model, optimizer)
-        record = _write_file(tmp / shard_file(group.rank, group.size), tensors, group.rank, pieces, frozen_pieces)
+        target = tmp / shard_file(group.rank, group.size)
+        record = _write_file(
+            target, tensors, group.rank, pieces, frozen_pieces, piece_groups(optimizer)
+        )
     except Exception as exc:
         error = exc
     records = all_gather_bytes(record, group, what="checkpoint.save() (collecting file records)")
@@ -245,77 +303,55 @@ def save(
     try:
         if group.rank == 0:
             index["files"] = [json.loads(r) for r in records]
-            _write_atomic(tmp / INDEX, json.dumps(index, indent=1).encode())
-            _fsync_dir(tmp)
-            _fault_point("before_rename", 0)
-            _commit(tmp, path, overwrite)
-            _fault_point("before_latest", 0)
-            _write_atomic(path.parent / LATEST, path.name.encode())
-            _remove_leftovers(path.parent)
+            data = json.dumps(index, indent=1).encode()
+            write_atomic(tmp / INDEX, data)
+            # Last: the checksum seals the index.
+            write_atomic(tmp / INDEX_DIGEST, index_digest_text(data).encode())
+            fsync_dir(tmp)
+            if path.exists() and not overwrite:
+                raise ValueError(f"checkpoint path {path} appeared while saving; not replaced")
+            commit(tmp, path, token)
+            remove_leftovers(path.parent)
     except Exception as exc:
         error = exc
     agree("zerolite.checkpoint.save() (committing)", [], error, group)
-    return path
 
 
 def _write_file(
-    target: Path, tensors: dict[str, torch.Tensor], rank: int, pieces: list[list], frozen_pieces: list[list]
+    target: Path, tensors: dict[str, torch.Tensor], rank: int, pieces: list[list], frozen_pieces: list[list],
+    groups: dict[str, int],
 ) -> bytes:
     data = safetensors_bytes(tensors, metadata={"format": FORMAT, "rank": str(rank)})
     with open(target, "wb") as f:
         half = len(data) // 2
         f.write(data[:half])
         f.flush()
-        _fault_point("writing", rank)
+        fault_point("writing", rank)
         f.write(data[half:])
         f.flush()
         os.fsync(f.fileno())
     size, sha = file_digest(target)
     return json.dumps({"file": target.name, "rank": rank, "bytes": size, "sha256": sha, "pieces": pieces,
-                       "frozen_pieces": frozen_pieces}).encode()
-
-
-def _write_atomic(target: Path, data: bytes) -> None:
-    tmp = target.with_name(f".{target.name}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, target)
-    _fsync_dir(target.parent)
-
-
-def _commit(tmp: Path, path: Path, overwrite: bool) -> None:
-    old = None
-    if path.exists():
-        if not overwrite:
-            raise ValueError(f"checkpoint path {path} appeared while saving; not replaced")
-        old = path.parent / f".{path.name}.old-{uuid.uuid4().hex}"
-        os.rename(path, old)
-    os.rename(tmp, path)
-    _fsync_dir(path.parent)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-
-
-def _remove_leftovers(root: Path) -> None:
-    for entry in root.iterdir():
-        if entry.name.startswith(".") and (".tmp-" in entry.name or ".old-" in entry.name) and entry.is_dir():
-            shutil.rmtree(entry, ignore_errors=True)
+                       "frozen_pieces": frozen_pieces, "groups": groups}).encode()
 
 
 def latest(root: str | os.PathLike) -> Path | None:
     """The newest complete checkpoint under ``root`` (what its ``latest`` pointer names).
 
-    Returns None when ``root`` has no pointer yet. Any rank may call; no communication.
+    The pointer is read exactly as `save` wrote it (names with surrounding whitespace are
+    refused at save). After a crash in the middle of ``save(..., overwrite=True)`` it may
+    name the old copy ``.NAME.old-…``, a complete checkpoint; the next save in ``root``
+    puts it back as ``NAME``. Returns None when ``root`` has no pointer yet. Any rank
+    may call; no communication.
 
     Raises:
-        zerolite.checkpoint.CheckpointError: the pointer names a checkpoint that is not
-            complete (its index is missing).
+        zerolite.checkpoint.CheckpointError: the pointer holds no plain name, or names a
+            checkpoint that is not complete (no index or checksum) or whose index is invalid.
     """
-    pointer = Path(root) / LATEST
-    if not pointer.is_file():
+    root = Path(root)
+    name = read_pointer(root)
+    if name is None:
         return None
-    target = Path(root) / pointer.read_text().strip()
+    target = root / name
     read_index(target)
     return target

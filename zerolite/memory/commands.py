@@ -1,47 +1,116 @@
-"""``zerolite estimate``: per-rank memory of every stage, from a count or a real model."""
+"""``zerolite estimate``: per-rank memory of every stage, from a count or a real model.
+
+Bad values raise `argparse.ArgumentTypeError` (while parsing) or `ValueError`;
+`zerolite.cli` prints either as one line with exit code 2.
+"""
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import math
 import os
 import sys
 
 import torch
+from torch import nn
 
 from zerolite.config import ZeroConfig
-from zerolite.memory.estimate import estimate
+from zerolite.memory.estimate import _OPTIMIZERS, estimate
 from zerolite.memory.footprint import MemoryBreakdown
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
+def _param_count(text: str) -> int:
+    """``--params``: a whole number >= 1, written as 7.5e9 or 7500000000."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value < 1 or value != int(value):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a parameter count; give a whole number >= 1, e.g. 7.5e9"
+        )
+    return int(value)
+
+
+def _world_size(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of ranks; give an integer >= 1")
+    return value
+
+
 def add_estimate_arguments(parser: argparse.ArgumentParser) -> None:
     source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--params", type=float, help="number of parameters, e.g. 7.5e9")
-    source.add_argument("--model", help="module:function returning an nn.Module (built on the meta device: no memory; counted exactly)")
-    parser.add_argument("--world-size", type=int, required=True)
+    source.add_argument("--params", type=_param_count, help="number of parameters, e.g. 7.5e9")
+    source.add_argument("--model", metavar="MODULE:FUNCTION",
+                        help="a function returning an nn.Module, e.g. examples.gpt:GPT "
+                             "(built on the meta device: no memory; counted exactly)")
+    parser.add_argument("--world-size", type=_world_size, required=True)
     parser.add_argument("--dtype", choices=sorted(_DTYPES), default="bf16",
-                        help="parameter dtype (default bf16: the ZeRO paper's mixed-precision accounting)")
-    parser.add_argument("--reduce-dtype", choices=sorted(_DTYPES), default=None, help="gradient dtype (default: --dtype)")
-    parser.add_argument("--optimizer", default="adamw", choices=("adam", "adamw", "sgd", "sgd_momentum", "adagrad", "rmsprop"))
+                        help="parameter dtype (default bf16: the ZeRO paper's "
+                             "mixed-precision accounting)")
+    parser.add_argument("--reduce-dtype", choices=sorted(_DTYPES), default=None,
+                        help="gradient dtype (default: --dtype)")
+    # The names the estimator knows state layouts for: one registry, so the two cannot drift.
+    parser.add_argument("--optimizer", default="adamw", choices=sorted(_OPTIMIZERS))
 
 
 def _gb(n: int) -> str:
     return f"{n / 1e9:.3g}"
 
 
+def _build_model(spec: str) -> nn.Module:
+    """The model ``module:function`` returns, built on the meta device.
+
+    Raises:
+        ValueError: naming ``spec`` and what went wrong (one line, no traceback).
+    """
+    module_name, _, function_name = spec.partition(":")
+    if not module_name or not function_name:
+        raise ValueError(f"--model {spec!r}: expected MODULE:FUNCTION, a Python function "
+                         "returning an nn.Module (e.g. examples.gpt:GPT); hub model ids are not "
+                         "downloaded")
+    sys.path.insert(0, os.getcwd())  # as `python -m` would: the user's own modules
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ValueError(f"--model {spec!r}: cannot import {module_name!r} ({exc})") from None
+    except Exception as exc:  # noqa: BLE001 - the user's module: any failure is one line
+        raise ValueError(f"--model {spec!r}: importing {module_name!r} raised "
+                         f"{type(exc).__name__}: {exc}") from None
+    function = module
+    for attr in function_name.split("."):
+        function = getattr(function, attr, None)
+    if not callable(function):  # a bad command-line value: ValueError, as for every argument
+        raise ValueError(  # noqa: TRY004
+            f"--model {spec!r}: module {module_name!r} has no function {function_name!r}"
+        )
+    try:
+        with torch.device("meta"):  # shapes are all the estimate needs: no memory, no init
+            model = function()
+    except Exception as exc:  # noqa: BLE001 - the user's function: any failure is one line
+        raise ValueError(f"--model {spec!r}: {function_name}() raised "
+                         f"{type(exc).__name__}: {exc}") from None
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"--model {spec!r}: {function_name}() returned "  # noqa: TRY004
+                         f"{type(model).__name__}, not an nn.Module")
+    return model
+
+
 def run_estimate(args: argparse.Namespace) -> int:
     dtype = _DTYPES[args.dtype]
     reduce = _DTYPES[args.reduce_dtype] if args.reduce_dtype else None
     if args.model:
-        module, _, function = args.model.partition(":")
-        sys.path.insert(0, os.getcwd())  # as `python -m` would: the user's own modules
-        with torch.device("meta"):  # shapes are all the estimate needs: no memory, no init
-            subject = getattr(importlib.import_module(module), function)()
+        subject = _build_model(args.model)
         count = sum(p.numel() for p in subject.parameters())
     else:
-        subject = count = int(args.params)
+        subject = count = args.params
     print(f"{count:,} parameters, {args.world_size} ranks, {args.dtype} parameters, "
           f"{args.reduce_dtype or args.dtype} gradients, {args.optimizer}; decimal GB per rank")
     print(f"{'stage':8s} {'params':>8s} {'grads':>8s} {'master':>8s} {'optim':>8s} {'model states':>13s} {'transient':>10s}")

@@ -37,8 +37,39 @@ def sharded_state_dict(opt: ShardedOptimizer) -> dict[str, Any]:
         "layout": opt.layout_digest,
         "masters": [master.data for master in opt.masters],
         "loss_scaler": None if opt.loss_scaler is None else opt.loss_scaler.state_dict(),
+        "groups": _group_names(opt),
     }
     return inner
+
+
+def _group_names(opt: ShardedOptimizer) -> list[list[str]]:
+    """Per param group, the names of the parameters with a piece on this rank, in order.
+
+    The wrapped optimizer's ``load_state_dict`` matches groups by position; these names
+    let a dict saved with the groups in another order be refused by name."""
+    name_of = {
+        id(tensor): flat.names[piece.index]
+        for flat, master in zip(opt.flats, opt.masters)
+        for piece, tensor in zip(flat.pieces, master.pieces)
+    }
+    return [
+        [name_of[id(t)] for t in group["params"] if id(t) in name_of] for group in opt.param_groups
+    ]
+
+
+def _moved(saved: list[list[str]], current: list[list[str]]) -> list[str]:
+    """Names in a group of another position than in ``saved`` (a layout change that only
+    moves pieces between ranks is left to the layout check)."""
+    was = {name: g for g, names in enumerate(saved) for name in names}
+    return [name for g, names in enumerate(current) for name in names if was.get(name, g) != g]
+
+
+def _describe(groups: list[list[str]]) -> str:
+    parts = []
+    for g, names in enumerate(groups):
+        more = f", ... ({len(names)} params)" if len(names) > 3 else ""
+        parts.append(f"group {g}: [{', '.join(names[:3])}{more}]")
+    return "; ".join(parts)
 
 
 def _check(opt: ShardedOptimizer, state_dict: dict[str, Any]) -> None:
@@ -50,6 +81,14 @@ def _check(opt: ShardedOptimizer, state_dict: dict[str, Any]) -> None:
         )
     if meta.get("format") != FORMAT:
         raise ValueError(f"state dict format {meta.get('format')!r} is not supported (expected {FORMAT})")
+    missing = [k for k in ("state", "param_groups") if k not in state_dict]
+    missing += [f"zerolite.{k}" for k in ("rank", "world_size", "stage", "layout", "masters", "loss_scaler")
+                if k not in meta]
+    if missing:
+        raise ValueError(
+            f"this ShardedOptimizer state dict lacks {missing}; load the dict that "
+            "ShardedOptimizer.state_dict() returned, unchanged"
+        )
     here = (opt.group.rank, opt.group.size)
     saved = (meta["rank"], meta["world_size"])
     if saved != here:
@@ -57,6 +96,14 @@ def _check(opt: ShardedOptimizer, state_dict: dict[str, Any]) -> None:
             f"this state dict holds rank {saved[0]}/{saved[1]}'s shard but is being loaded on rank "
             f"{here[0]}/{here[1]}: each rank must load the dict its own rank saved (an in-memory "
             "state dict does not reshard; zerolite.checkpoint does)"
+        )
+    saved_groups = meta.get("groups")  # absent from dicts of older versions
+    if saved_groups is not None and _moved(saved_groups, _group_names(opt)):
+        raise ValueError(
+            "this state dict's param groups hold other parameters than this optimizer's (groups "
+            "are matched by position): state dict "
+            f"{_describe(saved_groups)}; this optimizer {_describe(_group_names(opt))}. Build the "
+            "optimizer with the groups in the order they had when the state dict was saved"
         )
     if meta["stage"] != opt.config.stage or meta["layout"] != opt.layout_digest:
         raise ValueError(
@@ -66,6 +113,13 @@ def _check(opt: ShardedOptimizer, state_dict: dict[str, Any]) -> None:
         )
     if len(meta["masters"]) != len(opt.masters):
         raise ValueError(f"state dict has {len(meta['masters'])} master shards, expected {len(opt.masters)}")
+    for i, (master, saved) in enumerate(zip(opt.masters, meta["masters"])):
+        if not isinstance(saved, torch.Tensor) or saved.shape != master.data.shape:
+            shape = tuple(saved.shape) if isinstance(saved, torch.Tensor) else type(saved).__name__
+            raise ValueError(
+                f"master shard {i} of this state dict is {shape}, expected {tuple(master.data.shape)}; "
+                "load the dict this rank saved with the same setup"
+            )
     if (meta["loss_scaler"] is None) != (opt.loss_scaler is None):
         raise ValueError("state dict and optimizer disagree on fp16 loss scaling")
 
