@@ -53,6 +53,19 @@ class StdlibBytes(torch.utils.data.Dataset):
         return {"input_ids": self.rows[i], "labels": self.rows[i]}  # the model shifts the labels
 
 
+def llama_config(seq_len: int) -> LlamaConfig:
+    """The example's model: a 0.79M-parameter Llama over bytes (vocabulary 256)."""
+    return LlamaConfig(
+        vocab_size=256,
+        hidden_size=128,
+        intermediate_size=344,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=seq_len,
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -70,15 +83,7 @@ def main() -> None:
     cli = parser.parse_args()
 
     seq_len = 128
-    config = LlamaConfig(
-        vocab_size=256,
-        hidden_size=128,
-        intermediate_size=344,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=seq_len,
-    )
+    config = llama_config(seq_len)
     torch.manual_seed(0)
     model = LlamaForCausalLM(config)
     args = TrainingArguments(

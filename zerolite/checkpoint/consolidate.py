@@ -158,7 +158,16 @@ def consolidate(
         progress: called as ``progress(done, total, name)`` after each tensor is written.
     Returns:
         ``out_file`` as a `Path`.
+    Raises:
+        ValueError: ``dtype`` is not a floating dtype (an integer cast would zero the
+            weights), before anything is read or written.
+        CheckpointError: the checkpoint does not verify.
     """
+    if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
+        raise ValueError(
+            f"consolidate(): dtype must be a floating torch.dtype or None, got {dtype!r}; "
+            "e.g. torch.bfloat16"
+        )
     path, out_file = Path(path), Path(out_file)
     index = verify(path)
     entries = _entries(path, index, dtype)
