@@ -91,3 +91,16 @@ def test_integrations_fill_only_an_unset_param_dtype(monkeypatch):
     assert zero_config_for(bf16, ZeroConfig(stage=3, param_dtype=torch.float32)).param_dtype == torch.float32
     monkeypatch.setenv("ZEROLITE_PARAM_DTYPE", "fp32")
     assert zero_config_for(bf16, ZeroConfig(stage=3)).param_dtype == torch.float32
+
+
+def test_stages_compose():
+    """The stage table: each stage shards what the one before does, plus the next kind."""
+    from zerolite.stages import STAGES
+
+    kinds = ("shards_optimizer_state", "shards_gradients", "shards_parameters")
+    assert sorted(STAGES) == [0, 1, 2, 3]
+    for stage, policy in STAGES.items():
+        assert policy.stage == stage and ZeroConfig(stage=stage).stage == stage
+        assert [getattr(policy, kind) for kind in kinds] == [i < stage for i in range(3)], stage
+        kept = policy.grad_dtype(torch.bfloat16, torch.float32)
+        assert kept == (torch.float32 if policy.shards_gradients else torch.bfloat16)

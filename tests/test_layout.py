@@ -39,7 +39,12 @@ def test_every_element_owned_once(numels, world_size):
                 assert lo + piece.shard_start + k == start + piece.param_start + k
     assert len(owner) == sum(numels)
     for index in range(len(numels)):
-        assert sorted({owner[(index, e)] for e in range(numels[index])}) == layout.owners(index)
+        # A parameter's owners are consecutive: from the shard of its first element to
+        # the shard of its last.
+        start, end = layout.param_range(index)
+        first, last = start // layout.shard_numel, (end - 1) // layout.shard_numel
+        owners = sorted({owner[(index, e)] for e in range(numels[index])})
+        assert owners == list(range(first, last + 1))
 
 
 def test_offsets_are_contiguous():

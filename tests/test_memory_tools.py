@@ -14,7 +14,9 @@ from torch import nn
 
 import zerolite
 from tests import parity
-from zerolite.memory import estimate, footprint, formula, track
+from zerolite.memory import STATE_BYTES_PER_PARAM, estimate, footprint, formula, track
+from zerolite.optim import ELEMENTWISE_OPTIMIZERS
+from zerolite.optim.registry import SUPPORTED, build_named
 from zerolite.testing import FootprintMismatch, assert_footprint, run_ranks
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -75,6 +77,41 @@ def _estimate_matches_footprint() -> list[tuple]:
 def test_estimate_is_byte_exact(world_size):
     for mismatches in run_ranks(_estimate_matches_footprint, world_size, timeout=240):
         assert mismatches == []
+
+
+# Hyperparameters that change what an optimizer keeps, beyond its registry names.
+_STATE_VARIANTS = {
+    "Adam": [{"amsgrad": True}],
+    "AdamW": [{"amsgrad": True}],
+    "SGD": [{"momentum": 0.9, "nesterov": True}],
+    "RMSprop": [{"momentum": 0.9}, {"centered": True}, {"momentum": 0.9, "centered": True}],
+}
+
+
+def _kept_bytes(opt: torch.optim.Optimizer, p: torch.Tensor) -> tuple[int, int]:
+    """(bytes per element, bytes of 0-dim scalars) of what ``opt`` keeps for ``p``."""
+    state = [t for t in opt.state[p].values() if isinstance(t, torch.Tensor)]
+    per_element = sum(t.element_size() for t in state if t.shape == p.shape)
+    return per_element, sum(t.element_size() for t in state if t.dim() == 0)
+
+
+@pytest.mark.parametrize("spec", SUPPORTED, ids=lambda spec: spec.cls.__name__)
+def test_optimizer_registry_matches_what_torch_keeps(spec):
+    """Each row's state bytes, and so `STATE_BYTES_PER_PARAM` of its names, are what
+    torch's optimizer holds after a step."""
+    assert spec.cls in ELEMENTWISE_OPTIMIZERS
+    for hyper in [{}, *_STATE_VARIANTS.get(spec.cls.__name__, [])]:
+        p = nn.Parameter(torch.zeros(5))
+        opt = spec.cls([p], **{"lr": 0.1, **hyper})
+        p.grad = torch.ones(5)
+        opt.step()
+        assert _kept_bytes(opt, p) == spec.state_bytes(opt.param_groups[0]), hyper
+    for name in spec.names:
+        p = nn.Parameter(torch.zeros(5))
+        opt = build_named(name, [p])
+        p.grad = torch.ones(5)
+        opt.step()
+        assert _kept_bytes(opt, p)[0] == STATE_BYTES_PER_PARAM[name], name
 
 
 def test_zero_paper_example_formula_and_cli():

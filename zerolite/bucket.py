@@ -98,6 +98,11 @@ class GradBucket:
             self._written[index] = True
         self.unreduced = True
 
+    def mark_unreduced(self) -> None:
+        """Stage 1: autograd wrote gradients into ``full`` directly (through the
+        ``param.grad`` views, not `add_grad`); they await a reduce-scatter."""
+        self.unreduced = True
+
     def mark_arrived(self, index: int) -> bool:
         """Param ``index``'s gradient of a synced backward is in; True once every param's is."""
         if not self._arrived[index]:

@@ -6,18 +6,66 @@ rank reduces a description of its plan (one line per fact) to a digest, the dige
 are exchanged, and on any difference -- or any rank's local validation error -- the
 full descriptions are exchanged and every rank raises, naming the first difference.
 Local errors travel through the same exchange, so a rank that rejects its input never
-leaves its peers waiting in a collective.
+leaves its peers waiting in a collective. `agreed` is the usual way in: it captures the
+error of a block of local work and agrees on it when the block ends.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+from collections.abc import Iterator
 
 from zerolite.collectives import Group, all_gather_bytes
 from zerolite.errors import RankMismatchError
 
-__all__ = ["RankMismatchError", "agree"]
+__all__ = ["RankMismatchError", "agree", "agreed"]
+
+
+@contextlib.contextmanager
+def agreed(
+    what: str,
+    group: Group,
+    lines: list[str] | None = None,
+    *,
+    peer_error: type[Exception] | None = None,
+) -> Iterator[list[str]]:
+    """Run a block of local work, then `agree` on its outcome across ``group``.
+
+    An ``Exception`` raised in the block is captured, every rank learns of it, and it is
+    raised again on its own rank; the other ranks raise `RankMismatchError` naming it
+    (or ``peer_error``). The block must not run collectives: a rank that fails early
+    would skip them. All ranks of ``group`` must enter the block. Example::
+
+        with agreed("zerolite.checkpoint.save() (committing)", group):
+            if group.rank == 0:
+                commit(tmp, path, token)
+
+    Args:
+        what: the operation, for messages (e.g. ``"zerolite.shard()"``).
+        group: the ranks that agree.
+        lines: this rank's description of its plan, compared across ranks; the block
+            may extend the list it receives (``as lines``).
+        peer_error: the type the other ranks raise a rank's failure as (e.g.
+            `zerolite.checkpoint.CheckpointError`, the documented type of a load);
+            None keeps `RankMismatchError`.
+    Raises:
+        The rank's own exception; or `RankMismatchError` (``peer_error``) naming the
+        failing rank or the first line on which ranks differ.
+    """
+    lines = [] if lines is None else lines
+    error: Exception | None = None
+    try:
+        yield lines
+    except Exception as exc:  # noqa: BLE001 - every rank must learn of it before anyone raises
+        error = exc
+    try:
+        agree(what, lines, error, group)
+    except RankMismatchError as exc:
+        if peer_error is None:
+            raise
+        raise peer_error(str(exc)) from exc
 
 
 def agree(what: str, lines: list[str], error: BaseException | None, group: Group) -> None:

@@ -22,9 +22,14 @@ checkpoint) is kept as an unreduced local gradient: the step boundary's agreemen
 on some rank, and every rank reduce-scatters every bucket once more. Correct, at the cost
 of one more round of communication for that step.
 
-The entry points (`add_grad`, `flush`, `reduce`, `zero`) are `not_compiled`: hooks and
-autograd callbacks call them, also inside a compiled function that runs ``backward()``,
-and dynamo must not trace their collectives (see `zerolite.compile_guard`).
+Gradient arrival is recorded here and nowhere else: the hooks (`zerolite.hooks`) own
+``param.grad`` and hand each gradient over with one call (`add_grad` in backward;
+`add_unhooked_grad` or `set_full_grads` at the step boundary); only this class and the
+buckets themselves change a bucket's counters or the used-flags.
+
+The entry points hooks and autograd callbacks call (`add_grad`, `end_backward`, `flush`,
+`reduce`, `zero`) are `not_compiled`: they also run inside a compiled function that runs
+``backward()``, and dynamo must not trace their collectives (see `zerolite.compile_guard`).
 """
 
 from __future__ import annotations
@@ -92,6 +97,25 @@ class GradReducer:
         self.launch_ready()
         return complete and not was_complete
 
+    def add_unhooked_grad(self, b: int, i: int, grad: torch.Tensor) -> None:
+        """Stage 2-3, step boundary: a gradient the hooks never saw (assigned to
+        ``param.grad`` by hand) joins bucket ``b`` as param ``i``'s local gradient.
+
+        Nothing launches: the bucket is left unreduced, so `reduce`'s agreement sees it
+        and every rank reduce-scatters every bucket once more. Call under ``torch.no_grad()``.
+        """
+        self.buckets[b].add_grad(i, grad)
+        self.local_used[b][i] = True
+
+    def set_full_grads(self, b: int, used: list[bool]) -> None:
+        """Stage 1, step boundary: bucket ``b``'s ``full`` buffer holds this rank's gradients.
+
+        Autograd accumulated them through the ``param.grad`` views, without `add_grad`.
+        ``used[i]``: param ``i`` had a gradient. The bucket awaits reduction (`reduce`).
+        """
+        self.local_used[b].copy_(torch.tensor(used, dtype=torch.bool))
+        self.buckets[b].mark_unreduced()
+
     def launch_ready(self) -> None:
         """Launch, in order, every bucket from the next one on whose gradients are complete."""
         while self._next_launch < len(self.buckets):
@@ -99,6 +123,16 @@ class GradReducer:
             if not bucket.complete:
                 return
             self._launch(bucket)
+
+    @not_compiled
+    def end_backward(self) -> None:
+        """Stage 2-3, the end of a backward: launch what is left and wait (`flush`).
+
+        Inside ``no_sync()`` nothing launches: the gradients stay local until the next
+        synced backward. Every rank calls it at the end of every backward.
+        """
+        if not self.sync_disabled:
+            self.flush()
 
     @not_compiled
     def flush(self) -> None:

@@ -12,6 +12,10 @@ added up locally, and the next synced backward reduces the sum.
 
 Both expose the same small interface to the optimizer: `collect` (step boundary: bring
 gradients the hooks did not see into the buckets), `zero_grad` and `remove`.
+The hooks own ``param.grad``; what a gradient's arrival means (bucket counters, which
+parameters were used, launches) is the `GradReducer`'s, told with one call: per gradient
+in a stage-2 backward (`GradReducer.add_grad`), per bucket or stray gradient at the step
+boundary (`GradReducer.set_full_grads`, `GradReducer.add_unhooked_grad`).
 After a step, stage 2's shards are forgotten (`GradReducer.after_step`), so loops that
 zero with ``model.zero_grad()`` or ``param.grad = None`` behave as with ``opt.zero_grad()``.
 """
@@ -99,7 +103,8 @@ class KeepFullGrads(_GradHooks):
     def collect(self) -> None:
         """Step boundary: what ``param.grad`` holds now is what gets reduced."""
         with torch.no_grad():
-            for bucket, used in zip(self.reducer.buckets, self.reducer.local_used):
+            for b, bucket in enumerate(self.reducer.buckets):
+                used: list[bool] = []
                 for i, p in enumerate(bucket.flat.params):
                     view = bucket.grad_view(i)
                     if p.grad is None:
@@ -107,8 +112,8 @@ class KeepFullGrads(_GradHooks):
                     elif p.grad is not view:
                         view.copy_(p.grad)
                         p.grad = view
-                    used[i] = p.grad is not None
-                bucket.unreduced = True
+                    used.append(p.grad is not None)
+                self.reducer.set_full_grads(b, used)
 
     def zero_grad(self, set_to_none: bool) -> None:
         self.reducer.zero()
@@ -179,8 +184,7 @@ class ShardGradsInBackward(_GradHooks):
 
     def _on_backward_end(self) -> None:
         self._open_task = None
-        if not self.reducer.sync_disabled:
-            self.reducer.flush()
+        self.reducer.end_backward()
         if self.on_backward_end is not None:
             self.on_backward_end()
 
@@ -206,9 +210,8 @@ class ShardGradsInBackward(_GradHooks):
             for b, bucket in enumerate(self.reducer.buckets):
                 for i, p in enumerate(bucket.flat.params):
                     if p.grad is not None:
-                        bucket.add_grad(i, p.grad)
+                        self.reducer.add_unhooked_grad(b, i, p.grad)
                         p.grad = None
-                        self.reducer.local_used[b][i] = True
 
     def zero_grad(self, set_to_none: bool) -> None:
         # Full-size gradients do not exist between steps in stage 2, whatever set_to_none says.

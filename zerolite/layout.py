@@ -102,12 +102,6 @@ class FlatLayout:
                 out.append(ParamPiece(index, start - offset, start - lo, end - start))
         return out
 
-    def owners(self, index: int) -> list[int]:
-        """Ranks whose shard holds at least one element of parameter ``index``."""
-        start, end = self.param_range(index)
-        s = self.shard_numel
-        return list(range(start // s, (end - 1) // s + 1))
-
 
 def bucket_partition(sizes: Sequence[int], capacity: int) -> list[list[int]]:
     """Split item indices, in order, into consecutive runs of total size <= ``capacity``.

@@ -10,8 +10,10 @@ the plan (`zerolite.consensus`). Then:
   unit, see `zerolite.meta_init`);
 - the optimizer's param groups are re-pointed at fp32 master pieces and any existing
   state is re-sharded;
-- stage 1 wires `KeepFullGrads`, stage 2 `ShardGradsInBackward`; both share buckets,
-  the reducer and the optimizer.
+- what the stage shards (`zerolite.stages.STAGES`) picks the pieces: kept full
+  gradients wire `KeepFullGrads`, sharded ones `ShardGradsInBackward`; both share
+  buckets, the reducer and the optimizer. Sharded parameters add one buffer per unit
+  and the `UnitScheduler` that gathers them.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from zerolite.bucket import GradBucket
 from zerolite.collectives import Group, broadcast, broadcast_coalesced
 from zerolite.compile_guard import exclude_from_compile, not_compiled
 from zerolite.config import ZeroConfig
-from zerolite.consensus import agree
+from zerolite.consensus import agreed
 from zerolite.flat_buffer import FlatParamBuffer
 from zerolite.grad_reducer import GradReducer
 from zerolite.hooks import KeepFullGrads, ShardGradsInBackward
@@ -45,6 +47,7 @@ from zerolite.optim.contract import check_optimizer
 from zerolite.optim.master import MasterShard
 from zerolite.optim.sharded_optimizer import ShardedOptimizer
 from zerolite.params import guard_conversions, install_no_sync
+from zerolite.stages import STAGES
 from zerolite.unit_scheduler import UNITS_ATTR, UnitScheduler
 from zerolite.units import Unit, find_units
 
@@ -159,14 +162,10 @@ def shard(
     config = ZeroConfig() if config is None else config
     group = Group(config.process_group, collectives=config.collectives, timeout_s=config.timeout_s)
     plan: _Plan | None = None
-    lines: list[str] = []
-    error: BaseException | None = None
-    try:
+    # Raises on every rank if any rank failed or ranks describe different plans.
+    with agreed("zerolite.shard()", group) as lines:
         plan = plan_layout(model, optimizer, config)
-        lines = plan.describe(config, optimizer, model)
-    except Exception as exc:  # every rank must learn of it: see zerolite.consensus
-        error = exc
-    agree("zerolite.shard()", lines, error, group)  # raises on every rank if any rank failed
+        lines += plan.describe(config, optimizer, model)
     digest = hashlib.sha256("\n".join(lines).encode()).hexdigest()
     with phases.phase("build"):
         sharded = _build(model, optimizer, config, group, cast(_Plan, plan), digest)
@@ -189,7 +188,8 @@ def plan_layout(model: nn.Module, optimizer: torch.optim.Optimizer, config: Zero
             "(build a new model and optimizer to shard again)"
         )
     check_optimizer(optimizer, config.elementwise_optimizers)
-    if config.stage == 0:
+    policy = STAGES[config.stage]
+    if not policy.shards_optimizer_state:
         raise ValueError(
             "ZeroConfig.stage=0 means plain DDP and is only meaningful to the memory estimator; "
             "shard() accepts stages 1, 2 and 3"
@@ -235,7 +235,7 @@ def plan_layout(model: nn.Module, optimizer: torch.optim.Optimizer, config: Zero
     else:
         check_nothing_on_meta(model, source)
         device = config.device if config.device is not None else source
-    if config.stage == 3:
+    if policy.shards_parameters:
         # One flat buffer per unit, in the order backward completes them: the blocks in
         # reverse, then the root (its embedding's gradient is the last to arrive). Frozen
         # parameters are sharded too (a frozen base model is not replicated), in a
@@ -263,6 +263,7 @@ def _build(
     plan: _Plan,
     layout_digest: str,
 ) -> ShardedOptimizer:
+    policy = STAGES[config.stage]
     all_buckets = plan.all_buckets
     unit_buffers = plan.unit_buffers()
 
@@ -275,7 +276,7 @@ def _build(
         closed_by = {id(u.module): b for u, b in zip((plan.units or [])[:-1], unit_buffers)}
         all_flats = materialize(
             model, all_buckets, closed_by, make_flat,
-            param_dtype=config.param_dtype, device=plan.device, shard=config.stage == 3,
+            param_dtype=config.param_dtype, device=plan.device, shard=policy.shards_parameters,
             init_fn=config.init_fn, group=group,
         )
     else:
@@ -283,7 +284,7 @@ def _build(
         all_flats = [make_flat(index) for index in range(len(all_buckets))]
         for flat in all_flats:
             broadcast(flat.data, 0, group, what=f"shard()'s broadcast of rank 0's flat buffer {flat.index}")
-        if config.stage == 3:
+        if policy.shards_parameters:
             for flat in all_flats:
                 flat.shard_only()
     if not plan.on_meta:  # (a meta build computes the same values on every rank)
@@ -304,14 +305,14 @@ def _build(
         GradBucket(
             flat,
             group,
-            full_dtype=config.param_dtype if config.stage == 1 else config.grad_dtype,
+            full_dtype=policy.grad_dtype(config.param_dtype, config.grad_dtype),
             shard_dtype=config.grad_dtype,
-            keep_full=config.stage == 1,
+            keep_full=not policy.shards_gradients,
         )
         for flat in flats
     ]
     reducer = GradReducer(buckets, group)
-    grads = KeepFullGrads(reducer) if config.stage == 1 else ShardGradsInBackward(reducer)
+    grads = ShardGradsInBackward(reducer) if policy.shards_gradients else KeepFullGrads(reducer)
     scheduler = None
     if plan.units is not None and isinstance(grads, ShardGradsInBackward):
         unit_flats = [[all_flats[i] for i in buffers] for buffers in unit_buffers]

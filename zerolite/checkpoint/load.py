@@ -13,10 +13,11 @@ their own: a safetensors slice is a view of the whole saved tensor.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +41,7 @@ from zerolite.checkpoint.json_codec import decode
 from zerolite.checkpoint.save import model_only_tensors
 from zerolite.checkpoint.schedulers import apply_schedulers, plan_schedulers, restore_schedulers
 from zerolite.collectives import all_gather_bytes
-from zerolite.consensus import RankMismatchError, agree
+from zerolite.consensus import agreed
 from zerolite.meta_init import mark_loaded
 from zerolite.optim.sharded_optimizer import ShardedOptimizer, require_sharded_optimizer
 
@@ -75,12 +76,17 @@ def _check_model(index: dict[str, Any], opt: ShardedOptimizer) -> None:
         )
 
 
-def _agree(what: str, error: BaseException | None, group: Any) -> None:
-    """`agree`, raising a peer's failure as `CheckpointError` here too (the documented type)."""
+@contextlib.contextmanager
+def _index_entries(path: Path) -> Iterator[None]:
+    """Raise a missing entry of the index (KeyError, IndexError) as the `CheckpointError`
+    it means: a hand-edited or foreign index."""
     try:
-        agree(what, [], error, group)
-    except RankMismatchError as exc:
-        raise CheckpointError(str(exc)) from exc
+        yield
+    except (KeyError, IndexError) as exc:
+        raise CheckpointError(
+            f"{path}: the index lacks an entry ({type(exc).__name__}: {exc}); it was edited or "
+            "written by another zerolite version"
+        ) from None
 
 
 class _RangeReader:
@@ -190,9 +196,9 @@ def load(
     """Restore ``model``, ``optimizer`` and ``schedulers`` from checkpoint ``path``.
 
     Every rank must call. Works at any world size, stage and bucket size relative to
-    the save. RNG states are restored per rank when the world size is unchanged;
-    otherwise every rank reseeds deterministically from the saved rank-0 state and its
-    new rank. Loaded optimizer state is held in its own storage, exactly as a fresh
+    the save. RNG states (CPU, and CUDA where the save had it and CUDA is available)
+    are restored per rank when the world size is unchanged; otherwise every rank reseeds
+    CPU and CUDA deterministically from the saved rank-0 state and its new rank. Loaded optimizer state is held in its own storage, exactly as a fresh
     shard's (nothing of the saved files stays referenced).
 
     Args:
@@ -238,17 +244,14 @@ def _read_checked_index(path: Path, rank: int, world_size: int) -> dict[str, Any
 
 def _load(path: Path, model: nn.Module, optimizer: ShardedOptimizer, schedulers: Sequence[Any]) -> Any:
     group = optimizer.group
-    error: BaseException | None = None
-    try:
+    # A peer's failure is raised as CheckpointError here too (the documented type).
+    with agreed("zerolite.checkpoint.load() (verifying files)", group, peer_error=CheckpointError):
         if optimizer.model is not model and not _holds_parameters_of(model, optimizer):
             raise ValueError(
                 "zerolite.checkpoint.load(): model is not the model this optimizer was sharded "
                 "with; pass the model given to zerolite.shard() together with its optimizer"
             )
         index = _read_checked_index(path, group.rank, group.size)
-    except Exception as exc:
-        error = exc
-    _agree("zerolite.checkpoint.load() (verifying files)", error, group)
     # Each rank knows the group of only its own pieces: gather the optimizer's grouping.
     current_groups: dict[str, int] = {}
     for payload in all_gather_bytes(json.dumps(piece_groups(optimizer)).encode(), group,
@@ -258,51 +261,54 @@ def _load(path: Path, model: nn.Module, optimizer: ShardedOptimizer, schedulers:
     model_tensors: dict[str, torch.Tensor] = {}
     frozen_pieces: list[tuple[Any, Any, torch.Tensor]] = []
     rng: torch.Tensor | None = None
+    cuda_rng: torch.Tensor | None = None  # restored only at the same world size
     extra: Any = None
     hyper: list[dict[str, Any]] = []
     loaded_schedulers: list[tuple[Any, Any]] = []
     try:
-        _check_model(index, optimizer)
-        check_groups(saved_groups(index), current_groups, path)
-        planned_schedulers = plan_schedulers(index, schedulers, path)
-        try:
-            extra = decode(index.get("extra"), "extra")
-            # Plain JSON decodes to itself; typed entries (a tuple, inf) to their values.
-            saved_hyper = index["optimizer"]["param_groups"]
-            hyper = [decode(g, f"param group {i}") for i, g in enumerate(saved_hyper)]
-        except ValueError as exc:
-            raise CheckpointError(f"{path}: {exc}") from None
-        pieces = _read_rank_state(path, index, optimizer)
-        source = _ModelTensors(path, index)
-        for name, target in model_only_tensors(model, optimizer).items():
-            if not source.has(name):
-                raise CheckpointError(f"{source.file}: no tensor for {name!r} (buffer or non-optimized parameter)")
-            tensor = source.read(name)
-            if tensor.shape != target.shape:
-                raise CheckpointError(f"{name!r}: checkpoint shape {list(tensor.shape)}, model {list(target.shape)}")
-            model_tensors[name] = tensor
-        for flat in optimizer.frozen_flats:  # stage 3: this rank's ranges of frozen parameters
-            for piece in flat.pieces:
-                name = flat.names[piece.index]
+        with (
+            agreed("zerolite.checkpoint.load() (reading)", group, peer_error=CheckpointError),
+            _index_entries(path),
+        ):
+            _check_model(index, optimizer)
+            check_groups(saved_groups(index), current_groups, path)
+            planned_schedulers = plan_schedulers(index, schedulers, path)
+            try:
+                extra = decode(index.get("extra"), "extra")
+                # Plain JSON decodes to itself; typed entries (a tuple, inf) to their values.
+                saved_hyper = index["optimizer"]["param_groups"]
+                hyper = [decode(g, f"param group {i}") for i, g in enumerate(saved_hyper)]
+            except ValueError as exc:
+                raise CheckpointError(f"{path}: {exc}") from None
+            pieces = _read_rank_state(path, index, optimizer)
+            source = _ModelTensors(path, index)
+            for name, target in model_only_tensors(model, optimizer).items():
                 if not source.has(name):
-                    raise CheckpointError(f"{path}: no tensor for frozen parameter {name!r}")
-                frozen_pieces.append((flat, piece, source.read(name, piece.param_start, piece.param_end)))
-        same_world = index["world_size"] == group.size
-        rng_file = path / index["files"][group.rank if same_world else 0]["file"]
-        with safe_open(rng_file, framework="pt") as f:
-            rng = f.get_tensor("rng/cpu")
-        # Last, and undone below if a peer failed: schedulers are the only state a load
-        # attempt changes before the ranks agree (a custom one may fail in load_state_dict).
-        loaded_schedulers = apply_schedulers(planned_schedulers)
-    except (KeyError, IndexError) as exc:  # a hand-edited or foreign index
-        error = CheckpointError(
-            f"{path}: the index lacks an entry ({type(exc).__name__}: {exc}); it was edited or "
-            "written by another zerolite version"
-        )
-    except Exception as exc:
-        error = exc
-    try:
-        _agree("zerolite.checkpoint.load() (reading)", error, group)
+                    raise CheckpointError(
+                        f"{source.file}: no tensor for {name!r} (buffer or non-optimized parameter)"
+                    )
+                tensor = source.read(name)
+                if tensor.shape != target.shape:
+                    raise CheckpointError(
+                        f"{name!r}: checkpoint shape {list(tensor.shape)}, model {list(target.shape)}"
+                    )
+                model_tensors[name] = tensor
+            for flat in optimizer.frozen_flats:  # stage 3: this rank's ranges of frozen parameters
+                for piece in flat.pieces:
+                    name = flat.names[piece.index]
+                    if not source.has(name):
+                        raise CheckpointError(f"{path}: no tensor for frozen parameter {name!r}")
+                    values = source.read(name, piece.param_start, piece.param_end)
+                    frozen_pieces.append((flat, piece, values))
+            same_world = index["world_size"] == group.size
+            rng_file = path / index["files"][group.rank if same_world else 0]["file"]
+            with safe_open(rng_file, framework="pt") as f:
+                rng = f.get_tensor("rng/cpu")
+                if same_world and "rng/cuda" in f.keys():
+                    cuda_rng = f.get_tensor("rng/cuda")
+            # Last, and undone below if a peer failed: schedulers are the only state a load
+            # attempt changes before the ranks agree (a custom one may fail in load_state_dict).
+            loaded_schedulers = apply_schedulers(planned_schedulers)
     except BaseException:
         restore_schedulers(loaded_schedulers)
         raise
@@ -325,7 +331,9 @@ def _load(path: Path, model: nn.Module, optimizer: ShardedOptimizer, schedulers:
     if rng is not None:
         if index["world_size"] == group.size:
             torch.set_rng_state(rng)
-        else:
+            if cuda_rng is not None and torch.cuda.is_available():
+                torch.cuda.set_rng_state(cuda_rng)  # the current device's, as saved
+        else:  # seeds CPU and every CUDA device
             torch.manual_seed(int.from_bytes(bytes(rng[:8].tolist()), "little") + group.rank)
     if optimizer.loss_scaler is not None and index.get("loss_scaler") is not None:
         optimizer.loss_scaler.load_state_dict(index["loss_scaler"])

@@ -22,7 +22,7 @@ from torch import nn
 from zerolite import phases
 from zerolite.checkpoint.format import CheckpointError
 from zerolite.checkpoint.save import model_only_tensors, state_dict_names
-from zerolite.consensus import RankMismatchError, agree
+from zerolite.consensus import agreed
 from zerolite.meta_init import mark_loaded
 from zerolite.zero import SHARDED_OPTIMIZER_ATTR
 
@@ -165,18 +165,9 @@ def load_pretrained(
 
 
 def _load(model: nn.Module, opt, files: str | os.PathLike | Sequence[str | os.PathLike], strict: bool) -> None:  # noqa: ANN001
-    error: BaseException | None = None
-    plan: list = []
-    loaded: list[str] = []
-    try:
+    with agreed("zerolite.checkpoint.load_pretrained()", opt.group, peer_error=CheckpointError):
         paths, mapped = _files(files)
         plan, loaded = _plan(model, opt, _locate(paths, mapped), strict)
-    except Exception as exc:  # every rank must learn of it
-        error = exc
-    try:
-        agree("zerolite.checkpoint.load_pretrained()", [], error, opt.group)
-    except RankMismatchError as exc:
-        raise CheckpointError(str(exc)) from exc
     for target, values in plan:
         target.copy_(values.reshape(target.shape))
     opt.publish_masters()

@@ -3,10 +3,11 @@
 The sequence, and what a crash at each point leaves behind:
 
 1. Every rank validates (the directory name, ``extra`` is JSON, the target does not
-   exist unless ``overwrite``). Rank 0 then takes the root's save lock, finishes what an
-   earlier crashed overwrite left (`zerolite.checkpoint.commit.recover`) and checks the
-   target again; its verdict is shared, and the ranks agree -- nothing is written if any
-   rank objects or another job is saving into the same root.
+   exist unless ``overwrite``) and the ranks agree. Rank 0 then takes the root's save
+   lock, finishes what an earlier crashed overwrite left
+   (`zerolite.checkpoint.commit.recover`) and checks the target again; its verdict is
+   shared -- nothing is written if any rank objects or another job is saving into the
+   same root.
 2. Rank 0 creates a hidden sibling ``.{name}.tmp-{token}``; every rank writes and
    fsyncs its own ``rank-r-of-N.safetensors`` there; rank 0 collects sizes and hashes
    and writes ``index.json`` and then its checksum ``index.json.sha256``. A crash here
@@ -68,8 +69,8 @@ from zerolite.checkpoint.format import (
 from zerolite.checkpoint.groups import piece_groups
 from zerolite.checkpoint.json_codec import encode
 from zerolite.checkpoint.schedulers import scheduler_entries
-from zerolite.collectives import all_gather_bytes
-from zerolite.consensus import agree
+from zerolite.collectives import Group, all_gather_bytes
+from zerolite.consensus import agreed
 from zerolite.optim.sharded_optimizer import ShardedOptimizer
 
 __all__ = ["FAULT_ENV", "latest", "save"]
@@ -218,9 +219,7 @@ def save(
     """
     path = Path(path)
     group = optimizer.group
-    error: BaseException | None = None
-    index: dict[str, Any] = {}
-    try:
+    with agreed("zerolite.checkpoint.save()", group):
         problem = checkpoint_name_problem(path.name)
         if problem is not None:
             raise ValueError(
@@ -231,34 +230,48 @@ def save(
         # tuples, Counter...) and its ValueError names the key that cannot be stored.
         index = _index(model, optimizer, schedulers, extra)
         json.dumps(index)
-    except Exception as exc:
-        error = exc
-    lock: SaveLock | None = None
-    verdict: dict[str, str] = {"token": uuid.uuid4().hex}
+    lock, token = _lock_root(path, overwrite, group)
     try:
-        if group.rank == 0 and error is None:
-            try:
-                lock = SaveLock(path.parent)
-                recover(path.parent)
-                _check_target(path, overwrite)  # recovery may have put ``path`` back
-            except Exception as exc:
-                error = exc
-                verdict.update(type=type(exc).__name__, message=str(exc))
-        # Rank 0's verdict (lock, recovery, target) and its token for the directory name.
-        shared = json.loads(all_gather_bytes(
-            json.dumps(verdict).encode() if group.rank == 0 else b"", group,
-            what="checkpoint.save() (taking the root's lock)",
-        )[0])
-        if error is None and "message" in shared:
-            kind = ValueError if shared["type"] == "ValueError" else CheckpointError
-            error = kind(shared["message"])
-        agree("zerolite.checkpoint.save()", [], error, group)
-        tmp = path.parent / f".{path.name}.tmp-{shared['token']}"
-        _write_and_commit(path, model, optimizer, index, tmp, overwrite, shared["token"])
+        tmp = path.parent / f".{path.name}.tmp-{token}"
+        _write_and_commit(path, model, optimizer, index, tmp, overwrite, token)
     finally:
         if lock is not None:
             lock.release()
     return path
+
+
+def _lock_root(path: Path, overwrite: bool, group: Group) -> tuple[SaveLock | None, str]:
+    """Rank 0 takes the root's save lock, finishes what an earlier crashed overwrite left
+    and checks the target again; every rank gets its verdict and its token for the
+    directory name. Every rank calls; if rank 0 failed, all raise (rank 0 its own error,
+    the others its type and message). Returns rank 0's lock (None elsewhere) and the token.
+    """
+    lock: SaveLock | None = None
+    error: Exception | None = None
+    verdict: dict[str, str] = {"token": uuid.uuid4().hex}
+    try:
+        if group.rank == 0:
+            try:
+                lock = SaveLock(path.parent)
+                recover(path.parent)
+                _check_target(path, overwrite)  # recovery may have put ``path`` back
+            except Exception as exc:  # noqa: BLE001 - shared below: no rank waits for the others
+                error = exc
+                verdict.update(type=type(exc).__name__, message=str(exc))
+        shared = json.loads(all_gather_bytes(
+            json.dumps(verdict).encode() if group.rank == 0 else b"", group,
+            what="checkpoint.save() (taking the root's lock)",
+        )[0])
+        if error is not None:
+            raise error
+        if "message" in shared:
+            kind = ValueError if shared["type"] == "ValueError" else CheckpointError
+            raise kind(shared["message"])
+    except BaseException:
+        if lock is not None:
+            lock.release()
+        raise
+    return lock, shared["token"]
 
 
 def _check_target(path: Path, overwrite: bool) -> None:
@@ -281,26 +294,17 @@ def _write_and_commit(
 ) -> None:
     """Phases 2-4 of the module docstring; every rank calls, rank 0 holds the lock."""
     group = optimizer.group
-    error: BaseException | None = None
-    record = b""
-    try:
+    with agreed("zerolite.checkpoint.save() (creating the directory)", group):
         if group.rank == 0:
             tmp.mkdir(parents=True)
-    except Exception as exc:
-        error = exc
-    agree("zerolite.checkpoint.save() (creating the directory)", [], error, group)
-    try:
+    with agreed("zerolite.checkpoint.save() (writing shards)", group):
         tensors, pieces, frozen_pieces = rank_tensors(model, optimizer)
         target = tmp / shard_file(group.rank, group.size)
         record = _write_file(
             target, tensors, group.rank, pieces, frozen_pieces, piece_groups(optimizer)
         )
-    except Exception as exc:
-        error = exc
     records = all_gather_bytes(record, group, what="checkpoint.save() (collecting file records)")
-    agree("zerolite.checkpoint.save() (writing shards)", [], error, group)
-    error = None
-    try:
+    with agreed("zerolite.checkpoint.save() (committing)", group):
         if group.rank == 0:
             index["files"] = [json.loads(r) for r in records]
             data = json.dumps(index, indent=1).encode()
@@ -312,9 +316,6 @@ def _write_and_commit(
                 raise ValueError(f"checkpoint path {path} appeared while saving; not replaced")
             commit(tmp, path, token)
             remove_leftovers(path.parent)
-    except Exception as exc:
-        error = exc
-    agree("zerolite.checkpoint.save() (committing)", [], error, group)
 
 
 def _write_file(

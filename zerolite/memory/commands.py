@@ -16,8 +16,10 @@ import torch
 from torch import nn
 
 from zerolite.config import ZeroConfig
-from zerolite.memory.estimate import _OPTIMIZERS, estimate
+from zerolite.memory.estimate import estimate
 from zerolite.memory.footprint import MemoryBreakdown
+from zerolite.optim.registry import NAMED
+from zerolite.stages import STAGES
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -58,7 +60,7 @@ def add_estimate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--reduce-dtype", choices=sorted(_DTYPES), default=None,
                         help="gradient dtype (default: --dtype)")
     # The names the estimator knows state layouts for: one registry, so the two cannot drift.
-    parser.add_argument("--optimizer", default="adamw", choices=sorted(_OPTIMIZERS))
+    parser.add_argument("--optimizer", default="adamw", choices=sorted(NAMED))
 
 
 def _gb(n: int) -> str:
@@ -114,11 +116,12 @@ def run_estimate(args: argparse.Namespace) -> int:
     print(f"{count:,} parameters, {args.world_size} ranks, {args.dtype} parameters, "
           f"{args.reduce_dtype or args.dtype} gradients, {args.optimizer}; decimal GB per rank")
     print(f"{'stage':8s} {'params':>8s} {'grads':>8s} {'master':>8s} {'optim':>8s} {'model states':>13s} {'transient':>10s}")
-    for stage in (0, 1, 2, 3):
+    for stage, policy in STAGES.items():
         config = ZeroConfig(stage=stage, param_dtype=dtype, reduce_dtype=reduce)
-        target = count if stage == 0 else subject
+        ddp = not policy.shards_optimizer_state  # DDP shards nothing: counted, not planned
+        target = count if ddp else subject
         b: MemoryBreakdown = estimate(target, world_size=args.world_size, config=config, optimizer=args.optimizer)
-        label = "0 (DDP)" if stage == 0 else str(stage)
+        label = f"{stage} (DDP)" if ddp else str(stage)
         print(f"{label:8s} {_gb(b.params):>8s} {_gb(b.grads):>8s} {_gb(b.master):>8s} {_gb(b.optimizer_state):>8s} "
               f"{_gb(b.model_states):>13s} {_gb(b.transient) if b.transient else '-':>10s}")
     return 0

@@ -24,7 +24,6 @@ size and a batch size before a run.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -32,37 +31,26 @@ from torch import nn
 from zerolite.config import ZeroConfig
 from zerolite.layout import FlatLayout
 from zerolite.memory.footprint import MemoryBreakdown, formula
+from zerolite.optim.registry import NAMED, build_named, name_of, spec_of
 from zerolite.optim.sharded_optimizer import require_sharded_optimizer
+from zerolite.stages import STAGES
 from zerolite.zero import plan_layout
 
 __all__ = ["estimate", "state_bytes"]
 
-_OPTIMIZERS: dict[str, Callable[[list[nn.Parameter]], torch.optim.Optimizer]] = {
-    "adam": lambda ps: torch.optim.Adam(ps),
-    "adamw": lambda ps: torch.optim.AdamW(ps),
-    "sgd": lambda ps: torch.optim.SGD(ps, lr=0.1),
-    "sgd_momentum": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
-    "adagrad": lambda ps: torch.optim.Adagrad(ps),
-    "rmsprop": lambda ps: torch.optim.RMSprop(ps),
-}
+# The optimizer names `estimate` accepts (`zerolite.optim.registry.NAMED`; tests read it here).
+_OPTIMIZERS = NAMED
 
 
 def state_bytes(optimizer: torch.optim.Optimizer, group: dict) -> tuple[int, int]:
     """(bytes per element, bytes of 0-dim scalars) of ``optimizer``'s state for one tensor."""
-    name = type(optimizer).__name__
-    if name in ("Adam", "AdamW"):
-        return (12 if group.get("amsgrad") else 8), 4
-    if name == "SGD":
-        return (4 if group.get("momentum", 0) else 0), 0
-    if name == "Adagrad":
-        return 4, 4
-    if name == "RMSprop":
-        return 4 + (4 if group.get("momentum", 0) else 0) + (4 if group.get("centered") else 0), 4
-    if name in ("Adamax", "RAdam"):
-        return 8, 4
-    if name == "NAdam":
-        return 8, 8
-    raise ValueError(f"estimate() does not know the state layout of {name}; use a count, or measure with footprint()")
+    spec = spec_of(optimizer)
+    if spec is None:
+        raise ValueError(
+            f"estimate() does not know the state layout of {type(optimizer).__name__}; use a "
+            "count, or measure with footprint()"
+        )
+    return spec.state_bytes(group)
 
 
 @dataclasses.dataclass
@@ -85,9 +73,16 @@ def _breakdown(
     frozen: list[FlatLayout],
 ) -> MemoryBreakdown:
     """``frozen``: stage 3's buffers of frozen parameters (sharded, no gradient, no state)."""
-    p, g = _size(config.param_dtype), _size(config.grad_dtype)
+    policy = STAGES[config.stage]
+    p = _size(config.param_dtype)
+    g = _size(config.grad_dtype)  # reduced gradients (the buckets and their shards)
+    kept_g = _size(policy.grad_dtype(config.param_dtype, config.grad_dtype))
     padded = sum(b.layout.padded_numel for b in buffers)
     shard = sum(b.layout.shard_numel for b in buffers)
+
+    def held(sharded: bool) -> int:  # elements per rank
+        return shard if sharded else padded
+
     state = 0
     for b in buffers:
         for piece in b.layout.pieces(rank):
@@ -98,20 +93,20 @@ def _breakdown(
     upcast = 0 if config.grad_dtype == torch.float32 else 4 * max(b.layout.shard_numel for b in buffers)
     largest_bucket = max(b.layout.padded_numel for b in buffers)
     largest_param = max(n for b in buffers for n in b.layout.numels)
-    if config.stage == 1:
-        transient = shard * g + upcast
-    else:
+    if policy.shards_gradients:  # two buckets (filling, in flight), one autograd gradient
         transient = 2 * largest_bucket * g + largest_param * p + upcast
-    if config.stage == 3:
+    else:  # the reduced shards at the step
+        transient = shard * g + upcast
+    if policy.shards_parameters:  # gathered units
         units = [b.layout.padded_numel for b in buffers if not b.root]
         root = sum(b.layout.padded_numel for b in buffers if b.root)
         units += [f.padded_numel for f in frozen]
         transient += ((config.prefetch + 1) * max(units, default=0) + root) * p
     frozen_shards = sum(f.shard_numel for f in frozen) * p
     return MemoryBreakdown(
-        params=(shard if config.stage == 3 else padded) * p + frozen_shards + other,
-        grads=(padded * p if config.stage == 1 else shard * g) + other_grads,
-        master=0 if config.param_dtype == torch.float32 else 4 * shard,
+        params=held(policy.shards_parameters) * p + frozen_shards + other,
+        grads=held(policy.shards_gradients) * kept_g + other_grads,
+        master=0 if config.param_dtype == torch.float32 else 4 * held(policy.shards_optimizer_state),
         optimizer_state=state,
         transient=transient,
     )
@@ -153,13 +148,14 @@ def estimate(
         raise ValueError("stage=0 (DDP) is estimated from a count: estimate(num_params, ...)")
     model = model_or_count
     if isinstance(optimizer, str):
-        opt = _OPTIMIZERS[_formula_name(optimizer)](list(model.parameters()))
+        opt = build_named(_formula_name(optimizer), list(model.parameters()))
     else:
         opt = optimizer
     plan = plan_layout(model, opt, config)
+    root_last = STAGES[config.stage].shards_parameters  # the last buffer is the root unit's
     buffers = [
         _Buffer(FlatLayout(tuple(p.numel() for _, p in bucket), world_size),
-                [plan.group_of[id(p)] for _, p in bucket], root=config.stage == 3 and b == len(plan.buckets) - 1)
+                [plan.group_of[id(p)] for _, p in bucket], root=root_last and b == len(plan.buckets) - 1)
         for b, bucket in enumerate(plan.buckets)
     ]
     frozen = [FlatLayout(tuple(p.numel() for _, p in bucket), world_size) for bucket in plan.frozen_buckets]
@@ -181,16 +177,14 @@ def _count(value: object) -> int:
 def _formula_name(optimizer: str | torch.optim.Optimizer) -> str:
     """The `STATE_BYTES_PER_PARAM` key for ``optimizer``; an unknown one is refused, never guessed."""
     if isinstance(optimizer, torch.optim.Optimizer):
-        name = type(optimizer).__name__.lower()
-        if name == "sgd" and any(g.get("momentum", 0) for g in optimizer.param_groups):
-            name = "sgd_momentum"
+        name = name_of(optimizer)
     elif isinstance(optimizer, str):
         name = optimizer
     else:
         raise TypeError(f"estimate(): optimizer must be a name or a torch.optim.Optimizer, got {optimizer!r}")
-    if name not in _OPTIMIZERS:
+    if name not in NAMED:
         raise ValueError(
-            f"estimate(): no state layout known for optimizer {name!r}; use one of {sorted(_OPTIMIZERS)}, "
+            f"estimate(): no state layout known for optimizer {name!r}; use one of {sorted(NAMED)}, "
             "or pass the model with the optimizer instance, or measure with footprint()"
         )
     return name
@@ -205,7 +199,8 @@ def estimate_sharded(opt) -> MemoryBreakdown:  # noqa: ANN001 - a ShardedOptimiz
         groups = [0] * len(flat.params)
         for piece, tensor in zip(flat.pieces, master.pieces):
             groups[piece.index] = group_of[id(tensor)]
-        buffers.append(_Buffer(flat.layout, groups, root=opt.config.stage == 3 and i == len(opt.flats) - 1))
+        root = STAGES[opt.config.stage].shards_parameters and i == len(opt.flats) - 1
+        buffers.append(_Buffer(flat.layout, groups, root=root))
     model = opt.model
     managed = {id(p) for flat in [*opt.flats, *opt.frozen_flats] for p in flat.params}
     unmanaged = [p for p in model.parameters() if id(p) not in managed] if model is not None else []

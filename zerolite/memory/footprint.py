@@ -15,7 +15,8 @@
 
 `footprint` counts each distinct storage once (``untyped_storage().data_ptr()``), in
 the order of the fields above: a view shares its base's storage and is not counted
-again. `formula` is DESIGN §3's table for Adam-style state (8 bytes per parameter).
+again. `formula` is DESIGN §3's table for Adam-style state (8 bytes per parameter);
+what each stage shards is `zerolite.stages.STAGES`, state bytes `zerolite.optim.registry`.
 """
 
 from __future__ import annotations
@@ -26,20 +27,11 @@ from fractions import Fraction
 
 import torch
 
+from zerolite.optim.registry import STATE_BYTES_PER_PARAM
 from zerolite.optim.sharded_optimizer import ShardedOptimizer, require_sharded_optimizer
+from zerolite.stages import STAGES
 
 __all__ = ["MemoryBreakdown", "footprint", "formula", "STATE_BYTES_PER_PARAM"]
-
-# Bytes of per-element optimizer state per parameter (fp32 state, as torch keeps it).
-STATE_BYTES_PER_PARAM: dict[str, int] = {
-    "adam": 8,
-    "adamw": 8,
-    "sgd": 0,
-    "sgd_momentum": 4,
-    "adagrad": 4,
-    "rmsprop": 4,
-}
-
 
 @dataclasses.dataclass(frozen=True)
 class MemoryBreakdown:
@@ -154,22 +146,26 @@ def formula(
         A `MemoryBreakdown` with ``transient = 0``. Example: 7.5e9 parameters, N=64,
         bf16, stages 0-3 give 120, 31.4, 16.6 and 1.88 GB of model states.
     """
-    if stage not in (0, 1, 2, 3):
+    if stage not in tuple(STAGES):
         raise ValueError(f"stage must be 0 (DDP), 1, 2 or 3, got {stage!r}")
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size!r}")
     if optimizer not in STATE_BYTES_PER_PARAM:
         raise ValueError(f"optimizer must be one of {sorted(STATE_BYTES_PER_PARAM)}, got {optimizer!r}")
+    policy = STAGES[stage]
     psi = Fraction(num_params)
-    shard = psi / world_size
+
+    def held(sharded: bool) -> Fraction:  # elements per rank
+        return psi / world_size if sharded else psi
+
     p = torch.empty(0, dtype=param_dtype).element_size()
-    g = torch.empty(0, dtype=reduce_dtype or param_dtype).element_size()
+    kept_grad_dtype = policy.grad_dtype(param_dtype, reduce_dtype or param_dtype)
+    g = torch.empty(0, dtype=kept_grad_dtype).element_size()
     master_bytes = 0 if param_dtype == torch.float32 else 4
     state_bytes = STATE_BYTES_PER_PARAM[optimizer]
-    sharded_state = shard if stage >= 1 else psi
     return MemoryBreakdown(
-        params=round(p * (shard if stage >= 3 else psi)),
-        grads=round(g * shard if stage >= 2 else p * psi),
-        master=round(master_bytes * sharded_state),
-        optimizer_state=round(state_bytes * sharded_state),
+        params=round(p * held(policy.shards_parameters)),
+        grads=round(g * held(policy.shards_gradients)),
+        master=round(master_bytes * held(policy.shards_optimizer_state)),
+        optimizer_state=round(state_bytes * held(policy.shards_optimizer_state)),
     )

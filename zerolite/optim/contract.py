@@ -6,25 +6,17 @@ depends on element ``i``'s gradient and state alone. Adafactor (factored second
 moments of 2-D weights), Muon (orthogonalises whole matrices), LBFGS (global line
 search) and SparseAdam (sparse gradients) are not. A deny-list would let the next
 non-elementwise optimizer, or a user subclass that overrides ``step``, run silently
-wrong, so the check is an allow-list of exact classes, extendable by the user.
+wrong, so the check is an allow-list of exact classes (`zerolite.optim.registry`),
+extendable by the user.
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["ELEMENTWISE_OPTIMIZERS", "check_optimizer"]
+from zerolite.optim.registry import ELEMENTWISE_OPTIMIZERS
 
-ELEMENTWISE_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (
-    torch.optim.Adam,
-    torch.optim.AdamW,
-    torch.optim.SGD,
-    torch.optim.Adagrad,
-    torch.optim.RMSprop,
-    torch.optim.Adamax,
-    torch.optim.NAdam,
-    torch.optim.RAdam,
-)
+__all__ = ["ELEMENTWISE_OPTIMIZERS", "check_optimizer"]
 
 _WHY_NOT: dict[str, str] = {
     "Adafactor": "it keeps factored row/column second moments of each 2-D weight, which a 1-D "

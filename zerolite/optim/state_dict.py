@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from zerolite.consensus import agree
+from zerolite.consensus import agreed
 
 if TYPE_CHECKING:
     from zerolite.optim.sharded_optimizer import ShardedOptimizer
@@ -127,12 +127,8 @@ def _check(opt: ShardedOptimizer, state_dict: dict[str, Any]) -> None:
 @torch.no_grad()
 def load_sharded_state_dict(opt: ShardedOptimizer, state_dict: dict[str, Any]) -> None:
     """Load this rank's dict (every rank must call, each with its own rank's dict)."""
-    error: BaseException | None = None
-    try:
+    with agreed("ShardedOptimizer.load_state_dict()", opt.group, [opt.layout_digest]):
         _check(opt, state_dict)
-    except Exception as exc:  # peers must learn of it before the all-gather below
-        error = exc
-    agree("ShardedOptimizer.load_state_dict()", [opt.layout_digest], error, opt.group)
     meta = state_dict["zerolite"]
     opt.optimizer.load_state_dict({k: v for k, v in state_dict.items() if k != "zerolite"})
     for master, saved in zip(opt.masters, meta["masters"]):

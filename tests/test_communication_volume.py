@@ -1,0 +1,107 @@
+"""Communication volume per optimizer step == sum over flat buffers of 2 (N-1) shard_numel.
+
+Measured with `tests.comm_spy.CommSpy` on real gloo groups (world sizes 2 and 4), with
+padded and unpadded flat buffers, stages 1 and 2: the reduce-scatter and the all-gather
+each send (N-1) shard_numel per buffer (2 psi (N-1)/N plus padding in all), plus one
+small flag all-reduce per step and nothing else.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch.distributed as dist
+
+import zerolite
+from examples.gpt import GPTConfig
+from tests import parity
+from tests.comm_spy import CommSpy
+from tests.rank_reports import SMALL_BUCKETS_MB, TIMEOUT, WORLD_SIZES, guarded
+from zerolite import ZeroConfig
+from zerolite.testing import run_ranks
+
+ODD = GPTConfig(vocab_size=61, seq_len=7, n_layer=1, n_head=3, d_model=9)
+
+
+def _comm_rank() -> dict:
+    n = dist.get_world_size()
+    out = {}
+    cases = [
+        ("tiny/stage2/default", parity.TINY, 2, None),
+        ("tiny/stage1/default", parity.TINY, 1, None),
+        ("tiny/stage2/small", parity.TINY, 2, SMALL_BUCKETS_MB),
+        ("odd/stage2/default", ODD, 2, None),
+        ("odd/stage2/tiny buckets", ODD, 2, 0.0005),
+    ]
+    for label, cfg, stage, bucket_mb in cases:
+        model = parity.make_model(cfg=cfg)
+        config = (ZeroConfig(stage=stage) if bucket_mb is None
+                  else ZeroConfig(stage=stage, bucket_size_mb=bucket_mb))
+        opt = zerolite.shard(model, parity.make_optimizer("AdamW", model), config)
+        data = parity.batches(2, cfg=cfg, batch=8)
+        steps = []
+        with CommSpy() as spy:
+            for x, y in data:
+                since = len(spy.events)
+                spy.phase = "backward"
+                model(parity.local_slice(x), parity.local_slice(y)).backward()
+                spy.phase = "step"
+                opt.step()
+                spy.phase = None
+                ev = spy.events[since:]
+                steps.append({
+                    "isend": sum(e[1] for e in ev if e[0] == "isend"),
+                    "irecv": sum(e[1] for e in ev if e[0] == "irecv"),
+                    "rs_isend": sum(e[1] for e in ev
+                                    if e[0] == "isend" and e[2] == "reduce_scatter"),
+                    "ag_isend": sum(e[1] for e in ev if e[0] == "isend" and e[2] == "all_gather"),
+                    "all_reduce_calls": sum(1 for e in ev if e[0] == "all_reduce"),
+                    "all_reduce_elements": sum(e[1] for e in ev if e[0] == "all_reduce"),
+                    "other": sorted({(e[0], e[2]) for e in ev
+                                     if e[0] not in ("isend", "irecv", "all_reduce")}),
+                })
+                opt.zero_grad()
+        out[label] = {
+            "psi": sum(f.layout.numel for f in opt.flats),
+            "padding": sum(f.layout.padding for f in opt.flats),
+            "shard_numels": [f.layout.shard_numel for f in opt.flats],
+            "params_per_flat": [len(f.params) for f in opt.flats],
+            "n": n,
+            "steps": steps,
+        }
+    return out
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_communication_volume_per_step(world_size):
+    reports = run_ranks(guarded, world_size, _comm_rank, timeout=TIMEOUT)
+    n = world_size
+    for r, rep in enumerate(reports):
+        assert "error" not in rep, f"rank {r}: {rep['error']}"
+        for label, c in rep.items():
+            per_flat = sum(c["shard_numels"])
+            expected_each = (n - 1) * per_flat  # reduce-scatter, and again all-gather
+            expected = 2 * expected_each
+            formula = 2 * (c["psi"] + c["padding"]) * (n - 1) / n  # 2 psi (N-1)/N plus padding
+            assert expected == formula
+            # One flag per parameter, "unreduced", and the lockstep check (exchanges, steps and
+            # forwards, each as a max and a negated max).
+            flags = sum(c["params_per_flat"]) + 1 + 6
+            if r == 0:
+                flag_calls = [(s["all_reduce_calls"], s["all_reduce_elements"]) for s in c["steps"]]
+                print(f"\n[comm ws={n}] {label}: psi={c['psi']} padding={c['padding']} "
+                      f"buffers={len(c['shard_numels'])} expected/step={expected} "
+                      f"(2 psi (N-1)/N = {2 * c['psi'] * (n - 1) / n:.1f}) "
+                      f"measured={[s['isend'] for s in c['steps']]} flag all-reduce: "
+                      f"{flag_calls} (int64)")
+            for s, st in enumerate(c["steps"]):
+                where = f"rank {r} {label} step {s}"
+                assert st["rs_isend"] == expected_each, (
+                    f"{where}: reduce-scatter sent {st['rs_isend']}, expected {expected_each}")
+                assert st["ag_isend"] == expected_each, (
+                    f"{where}: all-gather sent {st['ag_isend']}, expected {expected_each}")
+                assert st["isend"] == expected, f"{where}: sent {st['isend']}, expected {expected}"
+                assert st["irecv"] == expected, (
+                    f"{where}: received {st['irecv']}, expected {expected}")
+                # The small flag all-reduce: one call, one int64 per parameter + 7.
+                assert (st["all_reduce_calls"], st["all_reduce_elements"]) == (1, flags), where
+                assert st["other"] == [], f"{where}: unexpected communication {st['other']}"
