@@ -1,6 +1,6 @@
 # Two entry points, each creating (or reusing) the virtual environment it needs:
 #   make example   - train a small GPT with Accelerate + zerolite on 2 CPU processes
-#   make test      - the test suite (what .ci/run runs)
+#   make test      - ruff check, then the test suite (what .ci/run runs)
 # TORCH_SPEC is installed before the package so that pip never resolves torch itself:
 # on a CPU-only machine `torch==2.13.0` is the local CPU wheel; with a CUDA build
 # already wanted, run e.g. `make test TORCH_SPEC=torch`.
@@ -23,6 +23,7 @@ $(STAMP): pyproject.toml
 	touch $@
 
 test: $(STAMP)
+	$(VENV)/bin/ruff check .
 	$(VENV)/bin/python -m pytest -q
 
 example: $(STAMP)

@@ -69,7 +69,9 @@ def _run(root: str, repeats: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--dir", default=None, help="where to write (default: a temporary directory)")
+    parser.add_argument(
+        "--dir", default=None, help="where to write (default: a temporary directory)"
+    )
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(dir=args.dir) as root:
         result = run_ranks(_run, 2, root, args.repeats, timeout=600)[0]

@@ -32,9 +32,9 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-import zerolite
-from examples.gpt import GPT, GPTConfig
-from zerolite.testing import run_ranks
+import zerolite  # noqa: E402
+from examples.gpt import GPT, GPTConfig  # noqa: E402
+from zerolite.testing import run_ranks  # noqa: E402
 
 CFG = GPTConfig(vocab_size=8192, seq_len=128, n_layer=6, n_head=6, d_model=384)
 PROMPT = 16

@@ -26,7 +26,8 @@ from examples.gpt import GPT, GPTConfig, param_groups, random_batch  # noqa: E40
 from zerolite.memory import estimate, footprint, formula, track  # noqa: E402
 from zerolite.testing import run_ranks  # noqa: E402
 
-CFG = GPTConfig(vocab_size=256, seq_len=128, n_layer=4, n_head=4, d_model=128)  # examples/train_gpt.py
+# examples/train_gpt.py
+CFG = GPTConfig(vocab_size=256, seq_len=128, n_layer=4, n_head=4, d_model=128)
 WORLD_SIZES = (1, 2, 4)
 
 
@@ -53,7 +54,9 @@ def _measure(stage: int) -> dict:
         "bound": predicted.model_states + predicted.transient,
         "measured": footprint(sharded).model_states,
         "peak": max(p.zerolite for p in tracker.peaks.values()),
-        "ddp": formula(sum(p.numel() for p in model.parameters()), world_size=n, stage=0).model_states,
+        "ddp": formula(
+            sum(p.numel() for p in model.parameters()), world_size=n, stage=0
+        ).model_states,
     }
 
 
@@ -62,7 +65,9 @@ def _all_stages() -> list[dict]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--png", default=None, help="write a bar chart here (needs matplotlib)")
     args = parser.parse_args()
     rows = []
@@ -70,10 +75,15 @@ def main() -> None:
         for stage, r in zip((1, 2, 3), run_ranks(_all_stages, n, timeout=300)[0]):
             rows.append((n, stage, r))
     print(f"example GPT ({CFG}), fp32, AdamW; MB per rank (rank 0)")
-    print(f"{'N':>2s} {'stage':>5s} {'DDP':>7s} {'estimate':>9s} {'measured':>9s} {'est.+bound':>10s} {'peak':>7s}")
+    print(
+        f"{'N':>2s} {'stage':>5s} {'DDP':>7s} {'estimate':>9s} {'measured':>9s} "
+        f"{'est.+bound':>10s} {'peak':>7s}"
+    )
     for n, stage, r in rows:
-        print(f"{n:2d} {stage:5d} {r['ddp'] / 1e6:7.2f} {r['estimate'] / 1e6:9.3f} {r['measured'] / 1e6:9.3f} "
-              f"{r['bound'] / 1e6:10.2f} {r['peak'] / 1e6:7.2f}")
+        print(
+            f"{n:2d} {stage:5d} {r['ddp'] / 1e6:7.2f} {r['estimate'] / 1e6:9.3f} "
+            f"{r['measured'] / 1e6:9.3f} {r['bound'] / 1e6:10.2f} {r['peak'] / 1e6:7.2f}"
+        )
     if args.png:
         _plot(rows, args.png)
 
@@ -91,10 +101,22 @@ def _plot(rows: list, path: str) -> None:
     xs = range(len(rows))
     fig, ax = plt.subplots(figsize=(10, 4))
     width = 0.27
-    ax.bar([x - width for x in xs], [r["estimate"] / 1e6 for *_, r in rows], width, label="estimate (model states)")
+    ax.bar(
+        [x - width for x in xs],
+        [r["estimate"] / 1e6 for *_, r in rows],
+        width,
+        label="estimate (model states)",
+    )
     ax.bar(list(xs), [r["measured"] / 1e6 for *_, r in rows], width, label="measured footprint")
-    ax.bar([x + width for x in xs], [r["peak"] / 1e6 for *_, r in rows], width, label="measured peak (track)")
-    ax.plot(list(xs), [r["ddp"] / 1e6 for *_, r in rows], "k_", markersize=20, label="DDP (formula)")
+    ax.bar(
+        [x + width for x in xs],
+        [r["peak"] / 1e6 for *_, r in rows],
+        width,
+        label="measured peak (track)",
+    )
+    ax.plot(
+        list(xs), [r["ddp"] / 1e6 for *_, r in rows], "k_", markersize=20, label="DDP (formula)"
+    )
     ax.set_xticks(list(xs), labels, fontsize=8)
     ax.set_ylabel("MB per rank")
     ax.set_title("zerolite: estimated vs measured memory, example GPT, fp32 AdamW")

@@ -59,7 +59,8 @@ def _sent(name: str, numel: int, n: int) -> float:
     ring would (so that point-to-point and collective counts compare)."""
     if name == "all_reduce":
         return 2 * numel * (n - 1) / n
-    if name in ("all_gather", "all_gather_single", "all_gather_into_tensor"):  # first arg: the output
+    # first arg: the output
+    if name in ("all_gather", "all_gather_single", "all_gather_into_tensor"):
         return numel * (n - 1) / n
     if name in ("reduce_scatter_single", "reduce_scatter_tensor"):  # first arg: this rank's output
         return numel * (n - 1)
@@ -111,7 +112,9 @@ def _build(system: str, dtype: str, device: torch.device):
     groups = param_groups(model, weight_decay=0.1)
     autocast = contextlib.nullcontext
     if system.startswith("zl"):
-        cfg = zerolite.ZeroConfig(stage=STAGE[system], param_dtype=torch.bfloat16 if dtype == "bf16" else torch.float32)
+        cfg = zerolite.ZeroConfig(
+            stage=STAGE[system], param_dtype=torch.bfloat16 if dtype == "bf16" else torch.float32
+        )
         opt = zerolite.shard(model, torch.optim.AdamW(groups, lr=3e-4), cfg)
         return model, model, opt, autocast, lambda: footprint(opt)
     if system == "fsdp2":
@@ -125,26 +128,41 @@ def _build(system: str, dtype: str, device: torch.device):
 
         def measure_fsdp():
             local = [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()]
-            grads = [g.to_local() if hasattr(g, "to_local") else g for g in (p.grad for p in model.parameters())]
-            state = [v.to_local() if hasattr(v, "to_local") else v for st in opt.state.values() for v in st.values()]
-            return zerolite.memory.MemoryBreakdown(params=_census(local), grads=_census(grads), optimizer_state=_census(state))
+            grads = [
+                g.to_local() if hasattr(g, "to_local") else g
+                for g in (p.grad for p in model.parameters())
+            ]
+            state = [
+                v.to_local() if hasattr(v, "to_local") else v
+                for st in opt.state.values()
+                for v in st.values()
+            ]
+            return zerolite.memory.MemoryBreakdown(
+                params=_census(local), grads=_census(grads), optimizer_state=_census(state)
+            )
 
         return model, model, opt, autocast, measure_fsdp
-    ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    ddp = DistributedDataParallel(
+        model, device_ids=[device.index] if device.type == "cuda" else None
+    )
     if dtype == "bf16":
         def autocast():
             return torch.autocast(device.type, dtype=torch.bfloat16)
     if system == "ddp":
         opt = torch.optim.AdamW(groups, lr=3e-4)
     else:
-        opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=3e-4, weight_decay=0.1)
+        opt = ZeroRedundancyOptimizer(
+            model.parameters(), optimizer_class=torch.optim.AdamW, lr=3e-4, weight_decay=0.1
+        )
 
     def measure():
         state = [v for s in opt.state.values() for v in s.values()] if system == "ddp" else [
             v for s in opt.optim.state.values() for v in s.values()]
         params = _census(model.parameters())
         grads = _census(p.grad for p in model.parameters())
-        return zerolite.memory.MemoryBreakdown(params=params, grads=grads, optimizer_state=_census(state))
+        return zerolite.memory.MemoryBreakdown(
+            params=params, grads=grads, optimizer_state=_census(state)
+        )
 
     ddp._zerolite_bench_hook = allreduce_hook  # registered only for the counting step
     return model, ddp, opt, autocast, measure
@@ -185,14 +203,18 @@ def _run_system(system: str, dtype: str, device_name: str) -> dict:
         module.register_comm_hook(None, module._zerolite_bench_hook)
     measured = []
     with CommSpy() as spy:
-        _one_step(module, opt, autocast, *batches[-1], after_step=lambda: measured.append(measure()))
+        _one_step(
+            module, opt, autocast, *batches[-1], after_step=lambda: measured.append(measure())
+        )
     mem = measured[0]
     return {"times": times, "elements": dict(spy.elements), "memory": mem,
             "numel": sum(p.numel() for p in model.parameters())}
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--dtypes", default="fp32,bf16")
     parser.add_argument("--systems", default=",".join(SYSTEMS))
@@ -209,9 +231,12 @@ def main() -> None:
             order = systems[r % len(systems):] + systems[: r % len(systems)]
             medians = {}
             for system in order:
-                ranks = run_ranks(_run_system, args.world_size, system, dtype, args.device, timeout=600, backend=backend)
+                ranks = run_ranks(_run_system, args.world_size, system, dtype, args.device,
+                                  timeout=600, backend=backend)
                 result = ranks[0]
-                medians[system] = statistics.median(max(rr["times"][i] for rr in ranks) for i in range(TIMED))
+                medians[system] = statistics.median(
+                    max(rr["times"][i] for rr in ranks) for i in range(TIMED)
+                )
                 results[(system, dtype)].append(result)
             for system in systems:
                 ratios[(system, dtype)].append(medians[system] / medians["ddp"])
@@ -219,8 +244,10 @@ def main() -> None:
     tokens = MICRO_BATCH * CFG.seq_len * args.world_size
     print(f"\n{CFG}, micro-batch {MICRO_BATCH}/rank, {args.world_size} ranks, {args.device}, "
           f"{args.rounds} rounds x {TIMED} timed steps")
-    header = (f"{'system':7s} {'dtype':5s} {'median ms':>9s} {'x DDP':>6s} {'spread':>13s} {'tok/s':>7s} "
-              f"{'states MB':>9s} {'/formula':>8s} {'trans MB':>8s}  elements per step by call")
+    header = (
+        f"{'system':7s} {'dtype':5s} {'median ms':>9s} {'x DDP':>6s} {'spread':>13s} {'tok/s':>7s} "
+        f"{'states MB':>9s} {'/formula':>8s} {'trans MB':>8s}  elements per step by call"
+    )
     print(header)
     for dtype in args.dtypes.split(","):
         for system in systems:
@@ -229,11 +256,16 @@ def main() -> None:
             rs = ratios[(system, dtype)]
             mem = runs[-1]["memory"]
             ref = formula(runs[-1]["numel"], world_size=args.world_size, stage=STAGE[system],
-                          param_dtype=torch.bfloat16 if dtype == "bf16" and system.startswith("zl") else torch.float32)
-            elements = ", ".join(f"{k}={v / 1e6:.2f}M" for k, v in sorted(runs[-1]["elements"].items()))
-            print(f"{system:7s} {dtype:5s} {med * 1e3:9.1f} {statistics.mean(rs):6.3f} "
-                  f"{min(rs):6.3f}-{max(rs):6.3f} {tokens / med:7.0f} {mem.model_states / 1e6:9.1f} "
-                  f"{mem.model_states / ref.model_states:8.3f} {mem.transient / 1e6:8.1f}  {elements}")
+                          param_dtype=torch.bfloat16 if dtype == "bf16" and system.startswith("zl")
+                          else torch.float32)
+            elements = ", ".join(
+                f"{k}={v / 1e6:.2f}M" for k, v in sorted(runs[-1]["elements"].items())
+            )
+            print(
+                f"{system:7s} {dtype:5s} {med * 1e3:9.1f} {statistics.mean(rs):6.3f} "
+                f"{min(rs):6.3f}-{max(rs):6.3f} {tokens / med:7.0f} {mem.model_states / 1e6:9.1f} "
+                f"{mem.model_states / ref.model_states:8.3f} {mem.transient / 1e6:8.1f}  {elements}"
+            )
 
 
 if __name__ == "__main__":

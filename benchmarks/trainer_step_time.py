@@ -52,7 +52,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # everything here is local
 
-from transformers import (
+from transformers import (  # noqa: E402
     LlamaForCausalLM,
     PrinterCallback,
     Trainer,
@@ -60,10 +60,10 @@ from transformers import (
     TrainingArguments,
 )
 
-import zerolite
-from examples.hf_trainer import StdlibBytes, llama_config
-from zerolite.hf import ZeroTrainer
-from zerolite.testing import run_ranks
+import zerolite  # noqa: E402
+from examples.hf_trainer import StdlibBytes, llama_config  # noqa: E402
+from zerolite.hf import ZeroTrainer  # noqa: E402
+from zerolite.testing import run_ranks  # noqa: E402
 
 SEQ = 128
 MICRO_BATCH, ACCUMULATION = 8, 2

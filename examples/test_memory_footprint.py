@@ -23,7 +23,9 @@ pytest_plugins = ["zerolite.pytest_plugin"]
 def _train_two_steps_and_check(stage: int, assert_footprint) -> int:
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=128, seq_len=32, n_layer=2, n_head=2, d_model=64))
-    opt = zerolite.shard(model, torch.optim.AdamW(model.parameters(), lr=1e-3), zerolite.ZeroConfig(stage=stage))
+    opt = zerolite.shard(
+        model, torch.optim.AdamW(model.parameters(), lr=1e-3), zerolite.ZeroConfig(stage=stage)
+    )
     for step in range(2):
         x = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(step))
         model(x, x).backward()

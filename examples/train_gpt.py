@@ -10,7 +10,8 @@ then each rank's measured memory footprint next to what DDP would hold. A checkp
 saved every ``--save-every`` steps under ``--out`` (``save_state``); ``--resume`` continues
 from the newest one and says which; a run without ``--resume`` refuses an ``--out`` that already
 holds checkpoints (another run's). On a terminal, rank 0 shows a progress bar with loss and
-tokens/s; the periodic log lines are printed either way. The stage comes from ``--stage`` or ``ZEROLITE_STAGE``. With ``--meta`` the model is built on the meta
+tokens/s; the periodic log lines are printed either way. The stage comes from ``--stage`` or
+``ZEROLITE_STAGE``. With ``--meta`` the model is built on the meta
 device (no memory) and ``shard()`` materialises it unit by unit with ``GPT.init_weights``.
 """
 
@@ -48,7 +49,9 @@ def stdlib_text(max_bytes: int) -> torch.Tensor:
     return torch.frombuffer(bytearray(b"".join(chunks)[:max_bytes]), dtype=torch.uint8).long()
 
 
-def batch_at(tokens: torch.Tensor, step: int, batch: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
+def batch_at(
+    tokens: torch.Tensor, step: int, batch: int, seq: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The global batch of ``step`` (the same on every rank; each rank takes its rows)."""
     g = torch.Generator().manual_seed(step)
     starts = torch.randint(0, len(tokens) - seq - 1, (batch,), generator=g)
@@ -57,18 +60,28 @@ def batch_at(tokens: torch.Tensor, step: int, batch: int, seq: int) -> tuple[tor
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--stage", type=int, default=int(os.environ.get("ZEROLITE_STAGE", 2)), choices=(1, 2, 3))
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--stage", type=int, default=int(os.environ.get("ZEROLITE_STAGE", 2)), choices=(1, 2, 3)
+    )
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--batch", type=int, default=8, help="micro-batch per rank")
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--save-every", type=int, default=100)
     parser.add_argument("--out", default="runs/train_gpt", help="checkpoints go to OUT/checkpoints")
-    parser.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in OUT")
-    parser.add_argument("--meta", action="store_true", help="build on the meta device; shard() materialises it")
+    parser.add_argument(
+        "--resume", action="store_true", help="continue from the newest checkpoint in OUT"
+    )
+    parser.add_argument(
+        "--meta", action="store_true", help="build on the meta device; shard() materialises it"
+    )
     args = parser.parse_args()
 
-    project = ProjectConfiguration(project_dir=args.out, automatic_checkpoint_naming=True, total_limit=2)
+    project = ProjectConfiguration(
+        project_dir=args.out, automatic_checkpoint_naming=True, total_limit=2
+    )
     config = zerolite.ZeroConfig(stage=args.stage, init_fn=GPT.init_weights if args.meta else None)
     accelerator = ZeroAccelerator(project_config=project, zero_config=config)
     rank, world = accelerator.process_index, accelerator.num_processes
@@ -77,15 +90,20 @@ def main() -> None:
     cfg = GPTConfig(vocab_size=256, seq_len=128, n_layer=4, n_head=4, d_model=128)
     with torch.device("meta") if args.meta else contextlib.nullcontext():
         model = GPT(cfg)
-    optimizer = torch.optim.AdamW(param_groups(model, weight_decay=0.1), lr=args.lr, betas=(0.9, 0.95))
+    optimizer = torch.optim.AdamW(
+        param_groups(model, weight_decay=0.1), lr=args.lr, betas=(0.9, 0.95)
+    )
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 20))
     model, optimizer, schedule = accelerator.prepare(model, optimizer, schedule)
     start_step = 0
     checkpoints = Path(args.out) / "checkpoints"
     earlier = sorted(checkpoints.glob("checkpoint_*")) if checkpoints.is_dir() else []
     if earlier and not args.resume:
-        raise SystemExit(f"{checkpoints} holds checkpoints of an earlier run ({', '.join(p.name for p in earlier)}): "
-                         "pass --resume to continue it, or choose another --out")
+        raise SystemExit(
+            f"{checkpoints} holds checkpoints of an earlier run "
+            f"({', '.join(p.name for p in earlier)}): "
+            "pass --resume to continue it, or choose another --out"
+        )
     if args.resume and earlier:
         accelerator.load_state()  # the newest checkpoint_N
         start_step = accelerator.step
@@ -96,7 +114,8 @@ def main() -> None:
     tokens = stdlib_text(4_000_000)
     n_params = sum(p.numel() for p in model.parameters())
     accelerator.print(
-        f"zerolite stage {args.stage} via Accelerate ({accelerator.distributed_type}), {world} processes, "
+        f"zerolite stage {args.stage} via Accelerate ({accelerator.distributed_type}), {world} "
+        f"processes, "
         f"{n_params / 1e6:.2f}M parameters, {len(tokens) / 1e6:.1f}M bytes of standard-library text"
     )
     clock, seen = time.perf_counter(), 0
@@ -126,13 +145,18 @@ def main() -> None:
             accelerator.save_state()
     bar.close()
     mine = footprint(optimizer.optimizer)
-    ddp = formula(n_params, world_size=world, stage=0, param_dtype=accelerator.zero_config.param_dtype)
+    ddp = formula(
+        n_params, world_size=world, stage=0, param_dtype=accelerator.zero_config.param_dtype
+    )
     for r in range(world):
         if r == rank:
-            print(f"[rank {rank}] model states held: {mine.model_states / 1e6:.2f} MB "
-                  f"(params {mine.params / 1e6:.2f}, grads {mine.grads / 1e6:.2f}, master {mine.master / 1e6:.2f}, "
-                  f"optimizer {mine.optimizer_state / 1e6:.2f}); DDP would hold {ddp.model_states / 1e6:.2f} MB",
-                  flush=True)
+            print(
+                f"[rank {rank}] model states held: {mine.model_states / 1e6:.2f} MB (params "
+                f"{mine.params / 1e6:.2f}, grads {mine.grads / 1e6:.2f}, master "
+                f"{mine.master / 1e6:.2f}, optimizer {mine.optimizer_state / 1e6:.2f}); DDP would "
+                f"hold {ddp.model_states / 1e6:.2f} MB",
+                flush=True,
+            )
         accelerator.wait_for_everyone()
     accelerator.end_training()
 

@@ -40,8 +40,18 @@ def make_model(meta: bool) -> torch.nn.Module:
         return GPT(parity.TINY)
 
 
-def _loop(accelerator, stage: int | None, *, accumulate: int = 1, micro_batches: int = STEPS, clip: float | None = None,
-          save_at: int | None = None, out: Path | None = None, resume: Path | None = None, meta: bool = False) -> dict:
+def _loop(
+    accelerator,
+    stage: int | None,
+    *,
+    accumulate: int = 1,
+    micro_batches: int = STEPS,
+    clip: float | None = None,
+    save_at: int | None = None,
+    out: Path | None = None,
+    resume: Path | None = None,
+    meta: bool = False,
+) -> dict:
     model = make_model(meta)
     opt = parity.make_optimizer("AdamW", model)
     sched = schedule(opt)
@@ -69,15 +79,22 @@ def _loop(accelerator, stage: int | None, *, accumulate: int = 1, micro_batches:
         if save_at is not None and resume is None and i + 1 == save_at:
             accelerator.save_state(out)
     full = accelerator.get_state_dict(model)
-    info = {"losses": losses, "norms": norms, "grads_during_accumulation": grads_during_accumulation,
-            "lr": [g["lr"] for g in opt.param_groups]}
+    info = {
+        "losses": losses,
+        "norms": norms,
+        "grads_during_accumulation": grads_during_accumulation,
+        "lr": [g["lr"] for g in opt.param_groups],
+    }
     if stage is not None:
         sharded = opt.optimizer
         info["dtypes"] = sorted({str(p.dtype) for f in sharded.flats for p in f.params})
         info["master_dtypes"] = sorted({str(m.data.dtype) for m in sharded.masters})
         info["rank_state"] = {  # this rank's first piece: proves each rank loaded its own shard
             "rank": accelerator.process_index,
-            "first_piece": [sharded.flats[0].names[sharded.flats[0].pieces[0].index], sharded.flats[0].pieces[0].param_start],
+            "first_piece": [
+                sharded.flats[0].names[sharded.flats[0].pieces[0].index],
+                sharded.flats[0].pieces[0].param_start,
+            ],
         }
     return {"state": full, "info": info}
 
@@ -124,7 +141,9 @@ def _refusals(accelerator, out_dir: Path) -> dict:
     attempt("auto_first")
     project.iteration = 0  # a fresh run pointed at the same project_dir
     attempt("auto_again")
-    outcome["auto_kept"] = sorted(p.name for p in (out_dir / "auto_project" / "checkpoints").iterdir())
+    outcome["auto_kept"] = sorted(
+        p.name for p in (out_dir / "auto_project" / "checkpoints").iterdir()
+    )
     return outcome
 
 
@@ -157,7 +176,9 @@ def run_case(name: str, out_dir: Path) -> None:
 
         accelerator = Accelerator(**acc_kwargs)
     else:
-        accelerator = ZeroAccelerator(zero_config=None if name.startswith("bf16") else config, **acc_kwargs)
+        accelerator = ZeroAccelerator(
+            zero_config=None if name.startswith("bf16") else config, **acc_kwargs
+        )
     result = _loop(accelerator, stage, **kwargs)
     if accelerator.is_main_process:
         state = {k: v.detach().float().contiguous().clone() for k, v in result["state"].items()}

@@ -201,6 +201,7 @@ def parity_and_checkpoints(out: str) -> dict[str, Any]:
         )
         trainer.train()
         results[f"gc_reentrant_{reentrant}"] = {"steps": steps(trainer)}
+    results["generate"] = _generate_in_eval_callback(root / "generate")
     results["bf16"] = _bf16(root / "bf16")
     results["save_model"] = _save_model(root / "saved")
     results["best"] = _best_model(root / "best")
@@ -220,6 +221,34 @@ def _user_optimizer(out: Path, stage: int | None) -> dict[str, Any]:
         "steps": steps(trainer),
         "lrs": [e["learning_rate"] for e in trainer.state.log_history if "learning_rate" in e],
     }
+
+
+def _generate_in_eval_callback(out: Path) -> dict[str, Any]:
+    """Stage 3: a callback generates in on_evaluate, a different length on each rank
+    (ranks that finish early must keep joining the unit gathers)."""
+    from transformers import TrainerCallback
+
+    import zerolite
+
+    class GenerateOnEvaluate(TrainerCallback):
+        def __init__(self) -> None:
+            self.matches: list[bool] = []
+
+        def on_evaluate(self, args: Any, state: Any, control: Any, model: Any = None,
+                        **kwargs: Any) -> None:
+            prompt = torch.tensor([[1, 2, 3, 4]])
+            new = 2 if dist.get_rank() == 0 else 6
+            tokens = model.generate(prompt, max_new_tokens=new, do_sample=False)
+            unsharded = make_model()
+            unsharded.load_state_dict(zerolite.full_state_dict(model, rank0_only=False))
+            expected = unsharded.generate(prompt, max_new_tokens=new, do_sample=False)
+            self.matches.append(bool(torch.equal(tokens, expected)))
+
+    callback = GenerateOnEvaluate()
+    trainer = _trainer(out, 3, max_steps=4, eval_strategy="steps", eval_steps=2)
+    trainer.add_callback(callback)
+    trainer.train()
+    return {"matches": callback.matches}
 
 
 def _bf16(out: Path) -> dict[str, Any]:

@@ -54,7 +54,9 @@ def make_optimizer(name: str, model: nn.Module) -> torch.optim.Optimizer:
     return opt
 
 
-def batches(steps: int = STEPS, cfg: GPTConfig = TINY, batch: int = GLOBAL_BATCH) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def batches(
+    steps: int = STEPS, cfg: GPTConfig = TINY, batch: int = GLOBAL_BATCH
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [random_batch(cfg, batch, seed=1000 + s) for s in range(steps)]
 
 
@@ -72,8 +74,15 @@ def mean_over_ranks(value: float) -> float:
     return t.item() / dist.get_world_size()
 
 
-def train(model: nn.Module, opt: torch.optim.Optimizer, data, *, sliced: bool, set_to_none: bool = True,
-          before_step: Callable[[], None] | None = None) -> list[float]:
+def train(
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    data,
+    *,
+    sliced: bool,
+    set_to_none: bool = True,
+    before_step: Callable[[], None] | None = None,
+) -> list[float]:
     """Plain loop; returns the per-step loss averaged over ranks."""
     losses = []
     for x, y in data:
@@ -117,7 +126,9 @@ def check_parity(label: str, model: nn.Module, losses: list[float], reference: n
                  ref_losses: list[float], ddp_errors: dict[str, float]) -> float:
     """Assert the parity criteria; return the worst per-tensor error reached."""
     errors = tensor_errors(model, reference)
-    bad = {n: (e, ddp_errors[n]) for n, e in errors.items() if not e <= max(2 * ddp_errors[n], 1e-6)}  # NaN fails
+    bad = {
+        n: (e, ddp_errors[n]) for n, e in errors.items() if not e <= max(2 * ddp_errors[n], 1e-6)
+    }  # NaN fails
     if bad:
         raise AssertionError(f"{label}: tensors beyond max(2 x DDP error, 1e-6): {bad}")
     for step, (a, b) in enumerate(zip(losses, ref_losses)):

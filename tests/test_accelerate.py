@@ -19,8 +19,8 @@ import torch.distributed as dist
 from safetensors.torch import load_file
 
 import zerolite
-from tests import accelerate_cases as cases
 from examples.gpt import GPT
+from tests import accelerate_cases as cases
 from tests import parity
 from zerolite.testing import run_ranks
 
@@ -34,7 +34,9 @@ def _launch(out: Path, *names: str, extra_args: tuple[str, ...] = (), config: Pa
     env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}
     cmd = [str(ACCELERATE), "launch", "--config_file", str(config), *extra_args,
            str(ROOT / "tests" / "accelerate_cases.py"), str(out), *names]
-    proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     if background:
         return proc
     output, _ = proc.communicate(timeout=300)
@@ -52,7 +54,9 @@ def runs(tmp_path_factory) -> Path:
 
 
 def _result(out: Path, name: str) -> tuple[dict[str, torch.Tensor], list[dict]]:
-    return load_file(str(out / f"{name}.safetensors")), json.loads((out / f"{name}.json").read_text())
+    return load_file(str(out / f"{name}.safetensors")), json.loads(
+        (out / f"{name}.json").read_text()
+    )
 
 
 def _torchrun_loop(stage: int, meta: bool = False) -> dict[str, torch.Tensor]:
@@ -61,7 +65,9 @@ def _torchrun_loop(stage: int, meta: bool = False) -> dict[str, torch.Tensor]:
     model = cases.make_model(meta)
     opt = parity.make_optimizer("AdamW", model)
     sched = cases.schedule(opt)
-    opt = zerolite.shard(model, opt, zerolite.ZeroConfig(stage=stage, init_fn=GPT.init_weights if meta else None))
+    opt = zerolite.shard(
+        model, opt, zerolite.ZeroConfig(stage=stage, init_fn=GPT.init_weights if meta else None)
+    )
     for x, y in parity.batches(cases.STEPS):
         model(parity.local_slice(x), parity.local_slice(y)).backward()
         opt.step()
@@ -71,7 +77,9 @@ def _torchrun_loop(stage: int, meta: bool = False) -> dict[str, torch.Tensor]:
     return zerolite.full_state_dict(model, rank0_only=False)
 
 
-def _single_process(accumulate: int, micro_batches: int, clip: float | None) -> tuple[dict, list[float]]:
+def _single_process(
+    accumulate: int, micro_batches: int, clip: float | None
+) -> tuple[dict, list[float]]:
     """Whole global batches on one process; with accumulation, the micro-batch losses are
     divided by `accumulate` as Accelerate's backward does (also for a short last group)."""
     model = parity.make_model()
@@ -133,7 +141,8 @@ def test_accumulation_and_clipping_through_accelerate(runs):
     for info in infos:
         assert info["grads_during_accumulation"], info
         for grads, transient in info["grads_during_accumulation"]:
-            assert transient < 1024, info  # no full-size gradient alive between micro-steps (flags only)
+            # no full-size gradient alive between micro-steps (flags only)
+            assert transient < 1024, info
             assert grads * 2 <= 4 * psi + 64, info  # fp32 shard of Ψ/2 elements (+ padding)
 
 
@@ -145,7 +154,10 @@ def test_save_state_then_load_state_in_new_processes_resumes_bitwise(runs):
     assert resumed_infos[0]["losses"] == saved_infos[0]["losses"][2:]
     # Each rank loaded its own shard (a swapped shard would not resume bitwise either).
     assert [i["rank_state"]["rank"] for i in resumed_infos] == [0, 1]
-    assert resumed_infos[0]["rank_state"]["first_piece"] != resumed_infos[1]["rank_state"]["first_piece"]
+    assert (
+        resumed_infos[0]["rank_state"]["first_piece"]
+        != resumed_infos[1]["rank_state"]["first_piece"]
+    )
 
 
 def test_save_state_never_replaces_a_checkpoint_silently(runs):
@@ -179,7 +191,8 @@ def test_two_launches_as_two_nodes_match_one_launch(runs, tmp_path):
     procs = [
         _launch(tmp_path, "stage2", config=config, background=True, extra_args=(
             "--num_machines", "2", "--num_processes", "2", "--machine_rank", str(rank),
-            "--main_process_ip", "127.0.0.1", "--main_process_port", str(port), "--mixed_precision", "no"))
+            "--main_process_ip", "127.0.0.1", "--main_process_port", str(port),
+            "--mixed_precision", "no"))
         for rank in (0, 1)
     ]
     for proc in procs:
@@ -205,8 +218,9 @@ def test_example_resumes_only_its_own_run_and_says_which_checkpoint(tmp_path):
     out = tmp_path / "run"
 
     def example(*args: str) -> subprocess.CompletedProcess:
-        cmd = [str(ACCELERATE), "launch", "--config_file", str(CPU_CONFIG), str(ROOT / "examples" / "train_gpt.py"),
-               "--out", str(out), "--save-every", "2", *args]
+        cmd = [str(ACCELERATE), "launch", "--config_file", str(CPU_CONFIG),
+               str(ROOT / "examples" / "train_gpt.py"), "--out", str(out), "--save-every", "2",
+               *args]
         return subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
 
     first = example("--steps", "2")

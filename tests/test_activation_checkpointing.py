@@ -75,7 +75,9 @@ def _llama(mode: str):
                          num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32)
     model = LlamaForCausalLM(config)
     if mode != "plain":
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": mode == "reentrant"})
+        model.gradient_checkpointing_enable(
+            gradient_checkpointing_kwargs={"use_reentrant": mode == "reentrant"}
+        )
     model.train()
     return model
 
@@ -114,22 +116,34 @@ def _matrix_rank(cases: list[tuple[str, str]]) -> dict:
         ref = build(plain)
         ref_losses = _train(ref, _adamw(ref), data, loss_fn, sliced=False)
         ddp_model = build(plain)
-        _train(torch.nn.parallel.DistributedDataParallel(ddp_model), _adamw(ddp_model), data, loss_fn, sliced=True)
+        _train(
+            torch.nn.parallel.DistributedDataParallel(ddp_model),
+            _adamw(ddp_model),
+            data,
+            loss_fn,
+            sliced=True,
+        )
         ddp_errors = parity.tensor_errors(ddp_model, ref)
         for stage in STAGES:
             model = build(mode)
-            config = zerolite.ZeroConfig(stage=stage, bucket_size_mb=SMALL_BUCKETS_MB if stage == 2 else 25.0)
+            config = zerolite.ZeroConfig(
+                stage=stage, bucket_size_mb=SMALL_BUCKETS_MB if stage == 2 else 25.0
+            )
             opt = zerolite.shard(model, _adamw(model), config)
             label = f"{family}/{mode}/stage{stage}"
             try:
                 losses = _train(model, opt, data, loss_fn, sliced=True)
-                report["worst"][label] = parity.check_parity(label, model, losses, ref, ref_losses, ddp_errors)
+                report["worst"][label] = parity.check_parity(
+                    label, model, losses, ref, ref_losses, ddp_errors
+                )
             except Exception as exc:  # noqa: BLE001 - every rank fails alike; reported to the parent
                 report["failures"].append(f"{label}: {type(exc).__name__}: {str(exc)[:300]}")
     return report
 
 
-GPT_CASES = [("gpt", m) for m in ("reentrant", "non_reentrant", "whole_reentrant", "shared_reentrant")]
+GPT_CASES = [
+    ("gpt", m) for m in ("reentrant", "non_reentrant", "whole_reentrant", "shared_reentrant")
+]
 LLAMA_CASES = [("llama", m) for m in ("reentrant", "non_reentrant")]
 
 

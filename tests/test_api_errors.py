@@ -20,19 +20,27 @@ def _model(seed: int = 0) -> nn.Module:
 
 def _sharded(stage: int):
     model = _model()
-    return model, zerolite.shard(model, torch.optim.AdamW(model.parameters()), zerolite.ZeroConfig(stage=stage))
+    return model, zerolite.shard(
+        model, torch.optim.AdamW(model.parameters()), zerolite.ZeroConfig(stage=stage)
+    )
 
 
 def _local_cases():
     plain = torch.optim.AdamW(_model().parameters())
     for call, fn in ((r"footprint\(\)", zm.footprint), (r"assert_footprint\(\)", assert_footprint)):
-        with pytest.raises(TypeError, match=rf"^{call} needs the ShardedOptimizer that zerolite.shard\(\) returned, got AdamW"):
+        with pytest.raises(
+            TypeError,
+            match=rf"^{call} needs the ShardedOptimizer that zerolite.shard\(\) returned, "
+                  rf"got AdamW",
+        ):
             fn(plain)
     with pytest.raises(TypeError, match=r"^track\(\) needs the ShardedOptimizer .* got str"):
         with zm.track("opt"):
             pass
     # The estimator used to substitute AdamW for a name it did not know.
-    with pytest.raises(ValueError, match=r"no state layout known for optimizer 'lion'; use one of \['adagrad'"):
+    with pytest.raises(
+        ValueError, match=r"no state layout known for optimizer 'lion'; use one of \['adagrad'"
+    ):
         zm.estimate(1_000_000, world_size=8, optimizer="lion")
     with pytest.raises(ValueError, match=r"no state layout known for optimizer 'lion'"):
         zm.estimate(_model(), world_size=8, optimizer="lion")
@@ -40,34 +48,55 @@ def _local_cases():
         zm.estimate(1_000_000, world_size=8, optimizer=torch.optim.Adamax(_model().parameters()))
     with pytest.raises(ValueError, match=r"the parameter count must be positive, got -5"):
         zm.estimate(-5, world_size=2)
-    with pytest.raises(TypeError, match=r"model_or_count must be an nn.Module or a whole number .* got 'x'"):
+    with pytest.raises(
+        TypeError, match=r"model_or_count must be an nn.Module or a whole number .* got 'x'"
+    ):
         zm.estimate("x", world_size=2)
     with pytest.raises(ValueError, match=r"world_size must be an int >= 1, got '2'"):
         zm.estimate(_model(), world_size="2")
     with pytest.raises(TypeError, match=r"^iter_full_state_dict\(\) needs an nn.Module, got str"):
         zerolite.full_state_dict("model")
     # What the estimator accepts still works: a momentum SGD instance counts its buffer.
-    momentum = zm.estimate(1000, world_size=2, optimizer=torch.optim.SGD(_model().parameters(), lr=0.1, momentum=0.9))
-    assert momentum.optimizer_state == zm.formula(1000, world_size=2, stage=2, optimizer="sgd_momentum").optimizer_state > 0
+    momentum = zm.estimate(
+        1000, world_size=2, optimizer=torch.optim.SGD(_model().parameters(), lr=0.1, momentum=0.9)
+    )
+    assert (
+        momentum.optimizer_state
+        == zm.formula(1000, world_size=2, stage=2, optimizer="sgd_momentum").optimizer_state
+        > 0
+    )
 
 
 def _distributed_cases():
     model, opt = _sharded(stage=3)
     for bad in (2, -1, "0", True):
-        with pytest.raises(ValueError, match=rf"modifier_rank must be None or a rank in \[0, 2\), got {bad!r}"):
+        with pytest.raises(
+            ValueError, match=rf"modifier_rank must be None or a rank in \[0, 2\), got {bad!r}"
+        ):
             with zerolite.gathered_parameters(model, modifier_rank=bad):
                 pass
     saved = opt.state_dict()
-    for broken, named in (({k: v for k, v in saved.items() if k != "state"}, r"lacks \['state'\]"),
-                          ({**saved, "zerolite": {k: v for k, v in saved["zerolite"].items() if k != "masters"}},
-                           r"lacks \['zerolite.masters'\]"),
-                          ({**saved, "zerolite": {**saved["zerolite"], "masters": [m[:1] for m in saved["zerolite"]["masters"]]}},
-                           r"master shard 0 of this state dict is \(1,\), expected")):
+    for broken, named in (
+        ({k: v for k, v in saved.items() if k != "state"}, r"lacks \['state'\]"),
+        (
+            {**saved, "zerolite": {k: v for k, v in saved["zerolite"].items() if k != "masters"}},
+            r"lacks \['zerolite.masters'\]",
+        ),
+        (
+            {**saved, "zerolite": {**saved["zerolite"],
+                                   "masters": [m[:1] for m in saved["zerolite"]["masters"]]}},
+            r"master shard 0 of this state dict is \(1,\), expected",
+        ),
+    ):
         with pytest.raises(ValueError, match=named):
             opt.load_state_dict(broken)
     # A full state dict into a stage-3 model: refused outside gathered_parameters, kept inside.
     replacement = _model(seed=1).state_dict()
-    with pytest.raises(RuntimeError, match=r"^model.load_state_dict\(\) on a stage-3 model .*gathered_parameters\(model, modifier_rank=0\)"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"^model.load_state_dict\(\) on a stage-3 model "
+              r".*gathered_parameters\(model, modifier_rank=0\)",
+    ):
         model.load_state_dict(replacement)
     with zerolite.gathered_parameters(model, modifier_rank=0):
         model.load_state_dict(replacement)

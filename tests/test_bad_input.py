@@ -65,7 +65,9 @@ def _refused_optimizers():
             assert "elementwise_optimizers" in str(info.value)
     # Declared elementwise by the user: accepted.
     model = _model()
-    zerolite.shard(model, MyAdamW(model.parameters()), ZeroConfig(stage=2, elementwise_optimizers=(MyAdamW,)))
+    zerolite.shard(
+        model, MyAdamW(model.parameters()), ZeroConfig(stage=2, elementwise_optimizers=(MyAdamW,))
+    )
 
 
 def _foreign_parameter():
@@ -73,7 +75,11 @@ def _foreign_parameter():
     stranger = nn.Parameter(torch.zeros(3))
     opt = torch.optim.AdamW([*model.parameters(), stranger])
     before = _snapshot(model, opt)
-    with pytest.raises(ValueError, match=r"param_groups\[0\]\['params'\]\[4\] \(shape \(3,\)\) is not a parameter of the model"):
+    with pytest.raises(
+        ValueError,
+        match=r"param_groups\[0\]\['params'\]\[4\] \(shape \(3,\)\) "
+              r"is not a parameter of the model",
+    ):
         zerolite.shard(model, opt)
     _assert_untouched(model, opt, before)
 
@@ -110,7 +116,12 @@ def _conversions_after_shard():
     model = _model()
     opt = zerolite.shard(model, torch.optim.SGD(model.parameters(), lr=0.1), ZeroConfig(stage=1))
     before = {n: (p.data_ptr(), p.dtype) for n, p in model.named_parameters()}
-    for convert in (lambda: model.double(), lambda: model.half(), lambda: model[0].to(torch.bfloat16), lambda: model.to_empty(device="cpu")):
+    for convert in (
+        lambda: model.double(),
+        lambda: model.half(),
+        lambda: model[0].to(torch.bfloat16),
+        lambda: model.to_empty(device="cpu"),
+    ):
         with pytest.raises(RuntimeError, match="cannot be converted after zerolite.shard"):
             convert()
         assert {n: (p.data_ptr(), p.dtype) for n, p in model.named_parameters()} == before
@@ -118,14 +129,18 @@ def _conversions_after_shard():
     model.float()
     model[0].weight.data = torch.zeros(8, 6)  # detaches it from the flat buffer
     model(torch.ones(2, 6)).sum().backward()
-    with pytest.raises(RuntimeError, match=r"\['0.weight'\] no longer live in zerolite's flat buffers"):
+    with pytest.raises(
+        RuntimeError, match=r"\['0.weight'\] no longer live in zerolite's flat buffers"
+    ):
         opt.step()
 
 
 def _sparse_embedding():
     for stage in (1, 2, 3):
         torch.manual_seed(0)
-        model = nn.Sequential(OrderedDict(tok=nn.Embedding(10, 4, sparse=True), head=nn.Linear(4, 2)))
+        model = nn.Sequential(
+            OrderedDict(tok=nn.Embedding(10, 4, sparse=True), head=nn.Linear(4, 2))
+        )
         opt = torch.optim.AdamW(model.parameters())
         before = _snapshot(model, opt)
         with pytest.raises(ValueError, match=r"^tok \(Embedding\) has sparse=True"):
@@ -134,8 +149,15 @@ def _sparse_embedding():
 
 
 def _all_bad_input_cases():
-    for case in (_refused_optimizers, _foreign_parameter, _mixed_devices, _twice, _stage_zero, _conversions_after_shard,
-                 _sparse_embedding):
+    for case in (
+        _refused_optimizers,
+        _foreign_parameter,
+        _mixed_devices,
+        _twice,
+        _stage_zero,
+        _conversions_after_shard,
+        _sparse_embedding,
+    ):
         case()
     return "ok"
 
@@ -166,7 +188,11 @@ def _diverging(case):
         cfg = ZeroConfig(stage=1 if rank == 0 else 2)
     elif case == "one_rank_bad_optimizer":
         model = _model()
-        opt = torch.optim.AdamW(model.parameters()) if rank == 0 else torch.optim.LBFGS(model.parameters())
+        opt = (
+            torch.optim.AdamW(model.parameters())
+            if rank == 0
+            else torch.optim.LBFGS(model.parameters())
+        )
         before = _snapshot(model, opt)
         expected = RankMismatchError if rank == 0 else TypeError
         with pytest.raises(expected) as info:
@@ -184,8 +210,16 @@ def _diverging(case):
 @pytest.mark.parametrize(
     "case,expected",
     [
-        ("shapes", r"Rank 0 has 'param 0.weight: shape=\(8, 6\).*rank 1 has 'param 0.weight: shape=\(9, 6\)"),
-        ("order", r"Rank 0 has 'param 0.weight: shape=\(4, 4\).*where rank 1 has 'param 1.weight: shape=\(4, 4\)"),
+        (
+            "shapes",
+            r"Rank 0 has 'param 0.weight: shape=\(8, 6\)"
+            r".*rank 1 has 'param 0.weight: shape=\(9, 6\)",
+        ),
+        (
+            "order",
+            r"Rank 0 has 'param 0.weight: shape=\(4, 4\)"
+            r".*where rank 1 has 'param 1.weight: shape=\(4, 4\)",
+        ),
         ("names", r"param a.weight|param b|param c"),
         ("bucket", r"bucket_size_mb=25.0.*bucket_size_mb=0.0001"),
         ("stage", r"stage=1.*stage=2"),

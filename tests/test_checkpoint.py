@@ -150,14 +150,18 @@ def assemble(rank_pieces: list[dict]) -> dict[str, dict[str, torch.Tensor]]:
         items.sort(key=lambda item: item[0])
         covered = 0
         for start, end, entry in items:
-            assert start == covered, f"{name}: pieces leave a gap or overlap at {start} (covered {covered})"
+            assert start == covered, (
+                f"{name}: pieces leave a gap or overlap at {start} (covered {covered})"
+            )
             assert entry.keys() == items[0][2].keys(), f"{name}: pieces hold different state keys"
             covered = end
         out = {}
         for key in items[0][2]:
             values = [entry[key] for _, _, entry in items]
             if values[0].dim() == 0:  # scalar state (Adam's step): the same on every piece
-                assert all(torch.equal(v, values[0]) for v in values), f"{name}: pieces disagree on {key}"
+                assert all(torch.equal(v, values[0]) for v in values), (
+                    f"{name}: pieces disagree on {key}"
+                )
                 out[key] = values[0]
             else:
                 out[key] = torch.cat(values)
@@ -292,13 +296,24 @@ def test_resharding_is_exact_and_training_continues(tmp_path):
     for case, ((ws, stage), (load_ws, load_stage, bucket_mb)) in RESHARD.items():
         before = [saved[ws][r][stage] for r in range(ws)]
         after = [loaded[load_ws][r][case] for r in range(load_ws)]
-        full_before, full_after = assemble([b["pieces"] for b in before]), assemble([a["pieces"] for a in after])
-        if not full_before or any(v.keys() != {"master", "exp_avg", "exp_avg_sq", "step"} for v in full_before.values()):
+        full_before, full_after = (
+            assemble([b["pieces"] for b in before]),
+            assemble([a["pieces"] for a in after]),
+        )
+        if not full_before or any(
+            v.keys() != {"master", "exp_avg", "exp_avg_sq", "step"} for v in full_before.values()
+        ):
             problems.append(f"{case}: saved state is not complete AdamW state")
         problems += [f"{case}: {d}" for d in differences(full_after, full_before, "master/state")]
         for r, a in enumerate(after):  # parameters, frozen layer and buffer on every rank
-            problems += [f"{case} rank {r}: {d}" for d in differences(a["full"], before[0]["full"], "full_state_dict")]
-            problems += [f"{case} rank {r}: {d}" for d in differences(a["groups"], before[0]["groups"], "groups")]
+            problems += [
+                f"{case} rank {r}: {d}"
+                for d in differences(a["full"], before[0]["full"], "full_state_dict")
+            ]
+            problems += [
+                f"{case} rank {r}: {d}"
+                for d in differences(a["groups"], before[0]["groups"], "groups")
+            ]
         if bucket_mb is not None and not after[0]["buffers"] > 1:
             problems.append(f"{case}: expected several flat buffers, got {after[0]['buffers']}")
         reference = before[0]["after"]
@@ -338,7 +353,9 @@ def test_consolidate_matches_unsharded_model_and_cli(tmp_path, capsys):
     _flip_byte(corrupt)
     # `python -m zerolite` in subprocesses, started together (each pays for importing torch).
     procs = {
-        "bf16": _cli("consolidate", str(path), str(tmp_path / "bf16.safetensors"), "--dtype", "bf16"),
+        "bf16": _cli(
+            "consolidate", str(path), str(tmp_path / "bf16.safetensors"), "--dtype", "bf16"
+        ),
         "verify_bad": _cli("verify", str(corrupt)),
     }
 
@@ -365,8 +382,11 @@ def test_consolidate_matches_unsharded_model_and_cli(tmp_path, capsys):
     assert not torch.equal(make_model(seed=5).eval()(idx), expected)  # the load mattered
 
     results = {name: _finish(p) for name, p in procs.items()}
-    for name, argv in {"verify": ["verify", str(path)], "inspect": ["inspect", str(path)],
-                       "consolidate_bad": ["consolidate", str(corrupt), str(tmp_path / "bad.safetensors")]}.items():
+    for name, argv in {
+        "verify": ["verify", str(path)],
+        "inspect": ["inspect", str(path)],
+        "consolidate_bad": ["consolidate", str(corrupt), str(tmp_path / "bad.safetensors")],
+    }.items():
         capsys.readouterr()
         code = zerolite.cli.main(argv)  # the same command, in this process
         results[name] = code, "".join(capsys.readouterr())  # errors go to stderr
@@ -385,7 +405,12 @@ def test_consolidate_matches_unsharded_model_and_cli(tmp_path, capsys):
     assert code == 0, text
     summary = json.loads(text)
     trainable = sum(p.numel() for p in reference.parameters() if p.requires_grad)
-    assert (summary["world_size"], summary["stage"], summary["step"], summary["param_dtype"]) == (2, 3, 2, "float32")
+    assert (summary["world_size"], summary["stage"], summary["step"], summary["param_dtype"]) == (
+        2,
+        3,
+        2,
+        "float32",
+    )
     assert summary["parameters"] == trainable
     assert summary["optimizer"] == "torch.optim.adamw.AdamW"
     assert summary["files"] == {p.name: p.stat().st_size for p in path.glob("rank-*.safetensors")}
@@ -406,7 +431,9 @@ def _digest(t: torch.Tensor) -> str:
 def _save_big(path: str) -> dict:
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(BIG_WIDTH, BIG_WIDTH) for _ in range(BIG_LAYERS)])
-    opt = zerolite.shard(model, torch.optim.SGD(model.parameters(), lr=0.1), zerolite.ZeroConfig(stage=1))
+    opt = zerolite.shard(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), zerolite.ZeroConfig(stage=1)
+    )
     ckpt.save(path, model, opt)
     if dist.get_rank() != 0:
         return {}
@@ -454,7 +481,9 @@ consolidate(sys.argv[1], sys.argv[2])
 seconds = time.perf_counter() - start
 done.set()
 thread.join()
-print(json.dumps({"base": base, "sampled": peak, "hwm": hwm() if reset else None, "seconds": seconds}))
+print(json.dumps(
+    {"base": base, "sampled": peak, "hwm": hwm() if reset else None, "seconds": seconds}
+))
 """
 
 
@@ -469,10 +498,13 @@ def test_consolidate_peak_memory_is_about_one_parameter(tmp_path):
     measured = json.loads(proc.stdout.strip().splitlines()[-1])
     growth = max(measured["sampled"], measured["hwm"] or 0) - measured["base"]
     bound = 2 * info["largest"] + 50 * 2**20
-    print(f"\nconsolidate of {info['total'] / 1e6:.1f} MB (largest parameter {info['largest'] / 1e6:.1f} MB): "
-          f"peak RSS growth {growth / 2**20:.1f} MiB (sampled {(measured['sampled'] - measured['base']) / 2**20:.1f}, "
-          f"VmHWM {((measured['hwm'] or measured['base']) - measured['base']) / 2**20:.1f}), "
-          f"bound {bound / 2**20:.1f} MiB, {measured['seconds']:.2f} s")
+    print(
+        f"\nconsolidate of {info['total'] / 1e6:.1f} MB (largest parameter "
+        f"{info['largest'] / 1e6:.1f} MB): peak RSS growth {growth / 2**20:.1f} MiB (sampled "
+        f"{(measured['sampled'] - measured['base']) / 2**20:.1f}, VmHWM "
+        f"{((measured['hwm'] or measured['base']) - measured['base']) / 2**20:.1f}), bound "
+        f"{bound / 2**20:.1f} MiB, {measured['seconds']:.2f} s"
+    )
     assert growth <= bound, (growth, bound, measured)
     with safe_open(out, framework="pt") as f:
         names = list(f.keys())
@@ -486,7 +518,11 @@ def test_consolidate_peak_memory_is_about_one_parameter(tmp_path):
 
 # ---------------------------------------------------------------- 4. crash safety
 
-PHASES = {"writing": "writing:1", "before_rename": "before_rename:0", "before_latest": "before_latest:0"}
+PHASES = {
+    "writing": "writing:1",
+    "before_rename": "before_rename:0",
+    "before_latest": "before_latest:0",
+}
 
 
 def _save_then_crash(root: str, fault: str) -> str:
@@ -525,7 +561,9 @@ def test_crash_during_save_leaves_previous_checkpoint(tmp_path, phase):
     killed = int(PHASES[phase].split(":")[1])
     assert "SIGKILL" in info.value.failures[killed], info.value.failures
     second_save = min(float(p.read_text()) for p in root.glob("second-save-*"))
-    assert end - second_save < 5.0, f"launch ended {end - second_save:.1f}s after the killed save began"
+    assert end - second_save < 5.0, (
+        f"launch ended {end - second_save:.1f}s after the killed save began"
+    )
     assert end - start < 30.0
     for p in root.glob("second-save-*"):
         p.unlink()
@@ -543,7 +581,9 @@ def test_crash_during_save_leaves_previous_checkpoint(tmp_path, phase):
     after = run_ranks(_after_crash, 2, str(root), timeout=120)
     for rank, result in enumerate(after):
         assert result["latest"] == "step-1" and result["extra"] == {"step": 1}, result
-        assert not result["diff"], f"rank {rank}: step-1 did not load as saved: {result['diff'][:8]}"
+        assert not result["diff"], (
+            f"rank {rank}: step-1 did not load as saved: {result['diff'][:8]}"
+        )
     names = sorted(p.name for p in root.iterdir() if p.name != LOCK_FILE)
     assert not [n for n in names if n.startswith(".") and (".tmp-" in n or ".old-" in n)], names
     assert ckpt.latest(root) == root / "step-3"
@@ -554,7 +594,9 @@ def test_crash_during_save_leaves_previous_checkpoint(tmp_path, phase):
 # ---------------------------------------------------------------- 5. bad input
 
 def _listing(root: Path) -> list[tuple[str, int, int]]:
-    return sorted((str(p.relative_to(root)), p.stat().st_size, p.stat().st_mtime_ns) for p in root.rglob("*"))
+    return sorted(
+        (str(p.relative_to(root)), p.stat().st_size, p.stat().st_mtime_ns) for p in root.rglob("*")
+    )
 
 
 def _attempt(action, model, opt, root: Path) -> dict:
@@ -604,14 +646,22 @@ def _bad_inputs(root: str) -> dict:
                       "deeper": dataclasses.replace(CFG, n_layer=3)}.items():
         other, other_opt, _ = build(cfg, stage=2)
         train(other, other_opt, parity.batches(1, cfg=cfg))
-        out[case] = _attempt(lambda o=other, oo=other_opt: ckpt.load(good, o, oo), other, other_opt, root)
+        out[case] = _attempt(
+            lambda o=other, oo=other_opt: ckpt.load(good, o, oo), other, other_opt, root
+        )
     # Same parameters, another buffer shape: fails late, after the pieces were read.
     other = make_model(CFG)
     other.running = torch.zeros(CFG.d_model + 1)
-    other_opt = zerolite.shard(other, parity.make_optimizer("AdamW", other), zerolite.ZeroConfig(stage=2))
+    other_opt = zerolite.shard(
+        other, parity.make_optimizer("AdamW", other), zerolite.ZeroConfig(stage=2)
+    )
     out["buffer"] = _attempt(lambda: ckpt.load(good, other, other_opt), other, other_opt, root)
-    out["extra"] = _attempt(lambda: ckpt.save(root / "new", model, opt, extra={"obj": object()}), model, opt, root)
-    out["exists"] = _attempt(lambda: ckpt.save(good, model, opt, extra={"step": 3}), model, opt, root)
+    out["extra"] = _attempt(
+        lambda: ckpt.save(root / "new", model, opt, extra={"obj": object()}), model, opt, root
+    )
+    out["exists"] = _attempt(
+        lambda: ckpt.save(good, model, opt, extra={"step": 3}), model, opt, root
+    )
     out["good_still_loads"] = ckpt.load(good, model, opt)
     return out
 
@@ -626,24 +676,34 @@ def _assert_refused(results: list[dict], case: str, kind: str, *needles: str) ->
         outcome = result[case]
         error = outcome["error"]
         assert error is not None, f"rank {rank}: {case} was accepted"
-        assert error[kind], f"rank {rank}: {case} raised {error['type']}, not a {kind}: {error['message']}"
+        assert error[kind], (
+            f"rank {rank}: {case} raised {error['type']}, not a {kind}: {error['message']}"
+        )
         for needle in needles:
-            assert needle in error["message"], f"rank {rank}: {needle!r} not in {error['message']!r}"
+            assert needle in error["message"], (
+                f"rank {rank}: {needle!r} not in {error['message']!r}"
+            )
         assert not outcome["diff"], f"rank {rank}: {case} changed {outcome['diff'][:8]}"
         assert outcome["listing_unchanged"], f"rank {rank}: {case} changed the files"
     assert results[0]["good_still_loads"] == {"step": 2}
 
 
 def test_load_flipped_byte(bad_input):
-    _assert_refused(bad_input, "flipped", "checkpoint_error", "rank-00001-of-00002.safetensors", "sha256")
+    _assert_refused(
+        bad_input, "flipped", "checkpoint_error", "rank-00001-of-00002.safetensors", "sha256"
+    )
 
 
 def test_load_truncated_file(bad_input):
-    _assert_refused(bad_input, "truncated", "checkpoint_error", "rank-00000-of-00002.safetensors", "truncated")
+    _assert_refused(
+        bad_input, "truncated", "checkpoint_error", "rank-00000-of-00002.safetensors", "truncated"
+    )
 
 
 def test_load_missing_rank_file(bad_input):
-    _assert_refused(bad_input, "missing", "checkpoint_error", "rank-00001-of-00002.safetensors", "missing")
+    _assert_refused(
+        bad_input, "missing", "checkpoint_error", "rank-00001-of-00002.safetensors", "missing"
+    )
 
 
 def test_load_into_wider_model(bad_input):

@@ -125,8 +125,11 @@ def test_consolidate_dtype_must_be_floating(tree, capsys):
         _assert_one_line(_main(capsys, "consolidate", tree / "ckpt", out, "--dtype", bad),
                          "consolidate", repr(bad), "bf16, fp16, fp32")
         assert not out.exists()
-    with pytest.raises(ValueError, match=r"dtype must be a floating torch.dtype or None, got torch.int8"):
-        ckpt.consolidate(tree / "ckpt", tree / "lib.safetensors", dtype=torch.int8)  # the library too
+    with pytest.raises(
+        ValueError, match=r"dtype must be a floating torch.dtype or None, got torch.int8"
+    ):
+        # the library too
+        ckpt.consolidate(tree / "ckpt", tree / "lib.safetensors", dtype=torch.int8)
     assert not (tree / "lib.safetensors").exists()
 
 

@@ -9,10 +9,12 @@ from zerolite import ZeroConfig
 
 
 def test_defaults(monkeypatch):
-    for var in ("ZEROLITE_STAGE", "ZEROLITE_PARAM_DTYPE", "ZEROLITE_REDUCE_DTYPE", "ZEROLITE_BUCKET_SIZE_MB", "ZEROLITE_DEVICE"):
+    for var in ("ZEROLITE_STAGE", "ZEROLITE_PARAM_DTYPE", "ZEROLITE_REDUCE_DTYPE",
+                "ZEROLITE_BUCKET_SIZE_MB", "ZEROLITE_DEVICE"):
         monkeypatch.delenv(var, raising=False)
     cfg = ZeroConfig()
-    assert (cfg.stage, cfg.param_dtype, cfg.reduce_dtype, cfg.bucket_size_mb) == (2, torch.float32, None, 25.0)
+    assert (cfg.stage, cfg.param_dtype, cfg.reduce_dtype, cfg.bucket_size_mb) == (
+        2, torch.float32, None, 25.0)
     assert cfg.process_group is None and cfg.device is None and cfg.elementwise_optimizers == ()
     assert cfg.bucket_bytes == 25 * 2**20 and cfg.grad_dtype == torch.float32
 
@@ -32,7 +34,8 @@ def test_environment_precedence(monkeypatch):
     cfg = ZeroConfig()
     assert (cfg.stage, cfg.param_dtype, cfg.bucket_size_mb) == (1, torch.bfloat16, 0.5)
     explicit = ZeroConfig(stage=2, param_dtype=torch.float32)
-    assert (explicit.stage, explicit.param_dtype, explicit.bucket_size_mb) == (2, torch.float32, 0.5)
+    assert (explicit.stage, explicit.param_dtype, explicit.bucket_size_mb) == (
+        2, torch.float32, 0.5)
     assert dataclasses.replace(explicit, bucket_size_mb=3).bucket_size_mb == 3.0
 
 
@@ -88,7 +91,10 @@ def test_integrations_fill_only_an_unset_param_dtype(monkeypatch):
     bf16 = SimpleNamespace(mixed_precision="bf16", device=torch.device("cpu"))
     assert zero_config_for(bf16, ZeroConfig(stage=3)).param_dtype == torch.bfloat16
     assert zero_config_for(bf16, None).param_dtype == torch.bfloat16
-    assert zero_config_for(bf16, ZeroConfig(stage=3, param_dtype=torch.float32)).param_dtype == torch.float32
+    assert (
+        zero_config_for(bf16, ZeroConfig(stage=3, param_dtype=torch.float32)).param_dtype
+        == torch.float32
+    )
     monkeypatch.setenv("ZEROLITE_PARAM_DTYPE", "fp32")
     assert zero_config_for(bf16, ZeroConfig(stage=3)).param_dtype == torch.float32
 

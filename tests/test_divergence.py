@@ -12,7 +12,6 @@
 
 from __future__ import annotations
 
-import tempfile
 import time
 
 import pytest
@@ -65,12 +64,20 @@ def _shard_mismatch_rank(extra: str) -> dict:
         return {"error": str(exc), "unchanged": unchanged}
 
 
-@pytest.mark.parametrize("extra, named", [
-    ("buffer", "extra"), ("frozen_param", "more"), ("buffer_dtype", "float64"), ("buffer_shape", "(5,)"),
-])
+@pytest.mark.parametrize(
+    "extra, named",
+    [
+        ("buffer", "extra"),
+        ("frozen_param", "more"),
+        ("buffer_dtype", "float64"),
+        ("buffer_shape", "(5,)"),
+    ],
+)
 def test_shard_names_a_buffer_or_frozen_parameter_that_differs(extra, named):
     for rank, result in enumerate(run_ranks(_shard_mismatch_rank, 2, extra, timeout=60)):
-        assert result["error"] is not None, f"rank {rank}: shard() accepted a model that differs ({extra})"
+        assert result["error"] is not None, (
+            f"rank {rank}: shard() accepted a model that differs ({extra})"
+        )
         assert named in result["error"], result["error"]
         assert result["unchanged"], f"rank {rank}: the model changed before the error"
 
@@ -83,7 +90,9 @@ def _rank0_values_rank(stage: int) -> dict:
     reference = Tiny()
     reference.load_state_dict(model.state_dict())
     ddp = torch.nn.parallel.DistributedDataParallel(reference)  # DDP's construction broadcast
-    zerolite.shard(model, torch.optim.AdamW(_trainable(model), lr=0.1), zerolite.ZeroConfig(stage=stage))
+    zerolite.shard(
+        model, torch.optim.AdamW(_trainable(model), lr=0.1), zerolite.ZeroConfig(stage=stage)
+    )
     full = zerolite.full_state_dict(model, rank0_only=False)
     expected = ddp.module.state_dict()
     return {"differ": [n for n, t in expected.items() if not torch.equal(full[n], t)]}
@@ -92,7 +101,9 @@ def _rank0_values_rank(stage: int) -> dict:
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_every_rank_holds_rank0_unsharded_parameters_and_buffers(stage):
     for rank, result in enumerate(run_ranks(_rank0_values_rank, 2, stage, timeout=60)):
-        assert result["differ"] == [], f"rank {rank}: differs from DDP's broadcast: {result['differ']}"
+        assert result["differ"] == [], (
+            f"rank {rank}: differs from DDP's broadcast: {result['differ']}"
+        )
 
 
 # --------------------------------------------------------------------------------------
@@ -137,7 +148,11 @@ def _diverging_loop_rank(stage: int, how: str, root: str) -> dict:
                 zerolite.checkpoint.save(f"{root}/alone", model, opt)
         return {"finished": True, "seconds": time.monotonic() - start}
     except (zerolite.RankMismatchError, zerolite.CollectiveTimeout) as exc:
-        return {"finished": False, "error": f"{type(exc).__name__}: {exc}", "seconds": time.monotonic() - start}
+        return {
+            "finished": False,
+            "error": f"{type(exc).__name__}: {exc}",
+            "seconds": time.monotonic() - start,
+        }
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])

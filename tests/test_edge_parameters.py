@@ -42,7 +42,9 @@ def _zero_dim_parity():
     worst = {}
     for stage in (1, 2, 3):
         model = copy.deepcopy(initial)
-        opt = zerolite.shard(model, torch.optim.AdamW(model.parameters(), lr=0.05), zerolite.ZeroConfig(stage=stage))
+        opt = zerolite.shard(
+            model, torch.optim.AdamW(model.parameters(), lr=0.05), zerolite.ZeroConfig(stage=stage)
+        )
         _train(model, opt, data, rank, world)
         with zerolite.gathered_parameters(model):
             for name, p in model.named_parameters():

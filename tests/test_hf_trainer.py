@@ -202,3 +202,8 @@ def test_args_bf16_fills_param_dtype_unless_the_config_sets_it(monkeypatch) -> N
     assert zero_config_for_args(args, zerolite.ZeroConfig(stage=3)).param_dtype == torch.bfloat16
     explicit = zerolite.ZeroConfig(stage=3, param_dtype=torch.float32)  # bf16 autocast, fp32 params
     assert zero_config_for_args(args, explicit).param_dtype == torch.float32
+
+
+def test_generate_in_an_eval_callback_at_stage_3(runs: dict) -> None:
+    # Two evaluations; rank 0 generates 2 tokens, rank 1 six: no hang, unsharded tokens.
+    assert runs["generate"]["matches"] == [True, True]

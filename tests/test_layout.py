@@ -69,7 +69,9 @@ def test_invalid_layouts_raise(bad):
         FlatLayout((3,), 2).shard_range(2)
 
 
-@pytest.mark.parametrize("sizes,capacity", list(itertools.product([[1, 2, 3, 4], [10, 1, 1, 10], [5]], [1, 3, 6, 100])))
+@pytest.mark.parametrize(
+    "sizes,capacity", list(itertools.product([[1, 2, 3, 4], [10, 1, 1, 10], [5]], [1, 3, 6, 100]))
+)
 def test_bucket_partition(sizes, capacity):
     runs = bucket_partition(sizes, capacity)
     assert [i for run in runs for i in run] == list(range(len(sizes)))

@@ -45,7 +45,10 @@ class OddModel(nn.Module):
 
 def _odd_batches(steps: int = 2):
     g = torch.Generator().manual_seed(0)
-    return [(torch.randint(0, 13, (8, 5), generator=g), torch.randint(0, 13, (8, 5), generator=g)) for _ in range(steps)]
+    return [
+        (torch.randint(0, 13, (8, 5), generator=g), torch.randint(0, 13, (8, 5), generator=g))
+        for _ in range(steps)
+    ]
 
 
 def _estimate_matches_footprint() -> list[tuple]:
@@ -60,9 +63,15 @@ def _estimate_matches_footprint() -> list[tuple]:
                 for opt_name in ("AdamW", "SGD", "Adagrad"):
                     model = parity.make_model() if model_name == "gpt" else OddModel()
                     data = parity.batches(2) if model_name == "gpt" else _odd_batches()
-                    opt = parity.OPTIMIZERS[opt_name]([{"params": [p for p in model.parameters() if p.requires_grad]}])
-                    config = zerolite.ZeroConfig(stage=stage, param_dtype=dtype, bucket_size_mb=0.01)
-                    expected = estimate(model, world_size=n, config=config, optimizer=opt, rank=rank)
+                    opt = parity.OPTIMIZERS[opt_name](
+                        [{"params": [p for p in model.parameters() if p.requires_grad]}]
+                    )
+                    config = zerolite.ZeroConfig(
+                        stage=stage, param_dtype=dtype, bucket_size_mb=0.01
+                    )
+                    expected = estimate(
+                        model, world_size=n, config=config, optimizer=opt, rank=rank
+                    )
                     sharded = zerolite.shard(model, opt, config)
                     parity.train(model, sharded, data, sliced=True)
                     measured = footprint(sharded)
@@ -117,14 +126,24 @@ def test_optimizer_registry_matches_what_torch_keeps(spec):
 def test_zero_paper_example_formula_and_cli():
     expected = {0: "120", 1: "31.4", 2: "16.6", 3: "1.88"}
     for stage, gb in expected.items():
-        got = formula(7_500_000_000, world_size=64, stage=stage, param_dtype=torch.bfloat16).model_states
+        got = formula(
+            7_500_000_000, world_size=64, stage=stage, param_dtype=torch.bfloat16
+        ).model_states
         assert f"{got / 1e9:.3g}" == gb
-    out = subprocess.run([sys.executable, "-m", "zerolite", "estimate", "--params", "7.5e9", "--world-size", "64"],
-                         capture_output=True, text=True, check=True, cwd=ROOT).stdout
+    out = subprocess.run(
+        [sys.executable, "-m", "zerolite", "estimate", "--params", "7.5e9", "--world-size", "64"],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=ROOT,
+    ).stdout
     states = [line.split()[-2] for line in out.splitlines() if re.match(r"^[0-3] ", line)]
     assert states == list(expected.values()), out
-    assert estimate(7_500_000_000, world_size=64, config=zerolite.ZeroConfig(stage=3, param_dtype=torch.bfloat16)) \
-        == formula(7_500_000_000, world_size=64, stage=3, param_dtype=torch.bfloat16)
+    assert estimate(
+        7_500_000_000,
+        world_size=64,
+        config=zerolite.ZeroConfig(stage=3, param_dtype=torch.bfloat16),
+    ) == formula(7_500_000_000, world_size=64, stage=3, param_dtype=torch.bfloat16)
 
 
 def _planted_leak() -> dict:
@@ -152,7 +171,9 @@ def test_assert_footprint_names_a_planted_leak():
 
 def _track_case(stage: int, plant: bool) -> dict:
     model = parity.make_model()
-    opt = zerolite.shard(model, parity.make_optimizer("AdamW", model), zerolite.ZeroConfig(stage=stage))
+    opt = zerolite.shard(
+        model, parity.make_optimizer("AdamW", model), zerolite.ZeroConfig(stage=stage)
+    )
     planted: list[torch.Tensor] = []
 
     def allocate(_: torch.Tensor) -> None:
@@ -186,7 +207,9 @@ def _track_cases() -> list[dict]:
 
 def test_track_attributes_a_backward_allocation_to_backward_only():
     clean, planted, stage3 = run_ranks(_track_cases, 2, timeout=60)[0]
-    growth = {phase: planted["process"][phase] - clean["process"][phase] for phase in clean["process"]}
+    growth = {
+        phase: planted["process"][phase] - clean["process"][phase] for phase in clean["process"]
+    }
     assert abs(growth["backward"] - 40_000_000) <= 1_000_000, growth
     assert abs(growth["forward"]) <= 1_000_000 and abs(growth["step"]) <= 1_000_000, growth
     # Stage 3: the gathered parameters seen in forward stay within the live-unit bound.

@@ -59,11 +59,21 @@ def _meta_equals_normal() -> dict:
             rng_after[meta] = torch.get_rng_state()
             models[meta] = (model, opt)
         (normal, normal_opt), (built, built_opt) = models[False], models[True]
-        initial = _equal(zerolite.full_state_dict(normal, rank0_only=False), zerolite.full_state_dict(built, rank0_only=False))
+        initial = _equal(
+            zerolite.full_state_dict(normal, rank0_only=False),
+            zerolite.full_state_dict(built, rank0_only=False),
+        )
         _train_three_steps(normal, normal_opt)
         _train_three_steps(built, built_opt)
-        trained = _equal(zerolite.full_state_dict(normal, rank0_only=False), zerolite.full_state_dict(built, rank0_only=False))
-        out[stage] = {"initial": initial, "trained": trained, "rng": torch.equal(rng_after[False], rng_after[True])}
+        trained = _equal(
+            zerolite.full_state_dict(normal, rank0_only=False),
+            zerolite.full_state_dict(built, rank0_only=False),
+        )
+        out[stage] = {
+            "initial": initial,
+            "trained": trained,
+            "rng": torch.equal(rng_after[False], rng_after[True]),
+        }
     # Any rank's own generator state is irrelevant: every rank draws from rank 0's.
     torch.manual_seed(3 + dist.get_rank())
     with torch.device("meta"):
@@ -95,7 +105,8 @@ def test_meta_build_equals_the_normal_build(world_size):
     for rank, r in enumerate(results):
         for stage in (1, 2, 3):
             assert r[stage]["initial"] and r[stage]["trained"], (rank, stage, r[stage])
-            assert r[stage]["rng"] == (rank == 0), (rank, stage)  # rank 0 advanced as a normal build
+            # rank 0 advanced as a normal build
+            assert r[stage]["rng"] == (rank == 0), (rank, stage)
         assert _equal(r["seeded_per_rank"], reference), rank  # rank 0's seed (3), on every rank
         # init_fn: not a normal build's values, but the same at every world size.
         assert _equal(r["init_fn"], single_process), rank
@@ -114,7 +125,9 @@ class Conv1D(nn.Module):
         nn.init.normal_(self.weight, std=0.02)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.addmm(self.bias, x.reshape(-1, x.shape[-1]), self.weight).view(*x.shape[:-1], self.nf)
+        return torch.addmm(self.bias, x.reshape(-1, x.shape[-1]), self.weight).view(
+            *x.shape[:-1], self.nf
+        )
 
 
 class GPT2Block(nn.Module):
@@ -130,13 +143,20 @@ class GPT2Block(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, c = x.shape
-        q, k, v = (z.view(b, t, self.heads, -1).transpose(1, 2) for z in self.c_attn(self.ln_1(x)).split(c, 2))
-        x = x + self.c_proj(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, c))
+        q, k, v = (
+            z.view(b, t, self.heads, -1).transpose(1, 2)
+            for z in self.c_attn(self.ln_1(x)).split(c, 2)
+        )
+        x = x + self.c_proj(
+            F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, c)
+        )
         return x + self.c_out(F.gelu(self.c_fc(self.ln_2(x))))
 
 
 class GPT2Style(nn.Module):
-    def __init__(self, vocab: int = 64, seq: int = 16, d: int = 32, layers: int = 3, heads: int = 2) -> None:
+    def __init__(
+        self, vocab: int = 64, seq: int = 16, d: int = 32, layers: int = 3, heads: int = 2
+    ) -> None:
         super().__init__()
         self.wte = nn.Embedding(vocab, d)
         self.wpe = nn.Embedding(seq, d)
@@ -158,7 +178,9 @@ class Rotary(nn.Module):
     def __init__(self, d: int) -> None:
         super().__init__()
         self.proj = nn.Linear(d, d)
-        self.register_buffer("inv_freq", 1.0 / 10000 ** (torch.arange(0, d, 2).float() / d), persistent=False)
+        self.register_buffer(
+            "inv_freq", 1.0 / 10000 ** (torch.arange(0, d, 2).float() / d), persistent=False
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.proj(x) * self.inv_freq.repeat(2)
@@ -167,7 +189,8 @@ class Rotary(nn.Module):
 def _conv1d_case(path: str) -> dict:
     torch.manual_seed(11)
     normal = GPT2Style().eval()
-    if dist.get_rank() == 0:  # a plain pretrained file, as transformers writes it (tied alias dropped)
+    # a plain pretrained file, as transformers writes it (tied alias dropped)
+    if dist.get_rank() == 0:
         save_file({k: v for k, v in normal.state_dict().items() if k != "lm_head.weight"}, path)
     dist.barrier()
     x = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
@@ -175,7 +198,9 @@ def _conv1d_case(path: str) -> dict:
     for stage in (2, 3):
         with torch.device("meta"):
             model = GPT2Style().eval()
-        zerolite.shard(model, torch.optim.AdamW(model.parameters()), zerolite.ZeroConfig(stage=stage))
+        zerolite.shard(
+            model, torch.optim.AdamW(model.parameters()), zerolite.ZeroConfig(stage=stage)
+        )
         with pytest.raises(RuntimeError) as refused:
             model(x)
         load_pretrained(model, path)
@@ -184,12 +209,16 @@ def _conv1d_case(path: str) -> dict:
         out[stage] = {
             "refused": str(refused.value),
             "same_output": same_output,
-            "same_params": _equal(zerolite.full_state_dict(model, rank0_only=False), normal.state_dict()),
+            "same_params": _equal(
+                zerolite.full_state_dict(model, rank0_only=False), normal.state_dict()
+            ),
         }
     # Resuming from a zerolite checkpoint fills what nothing initialised, as load_pretrained does.
     torch.manual_seed(11)
     saved = GPT2Style()
-    saved_opt = zerolite.shard(saved, torch.optim.AdamW(saved.parameters()), zerolite.ZeroConfig(stage=2))
+    saved_opt = zerolite.shard(
+        saved, torch.optim.AdamW(saved.parameters()), zerolite.ZeroConfig(stage=2)
+    )
     zerolite.checkpoint.save(f"{path}.ckpt", saved, saved_opt)
     with torch.device("meta"):
         model = GPT2Style().eval()
@@ -199,12 +228,17 @@ def _conv1d_case(path: str) -> dict:
         out["resumed"] = torch.equal(model(x), normal(x))
     with torch.device("meta"):
         rotary = nn.Sequential(Rotary(8), Rotary(8))
-    zerolite.shard(rotary, torch.optim.SGD(rotary.parameters(), lr=0.1), zerolite.ZeroConfig(stage=3))
+    zerolite.shard(
+        rotary, torch.optim.SGD(rotary.parameters(), lr=0.1), zerolite.ZeroConfig(stage=3)
+    )
     with pytest.raises(RuntimeError) as left_on_meta:
         rotary(torch.ones(2, 8))
     for module in rotary:
         module.inv_freq = 1.0 / 10000 ** (torch.arange(0, 8, 2).float() / 8)
-    out["rotary"] = {"refused": str(left_on_meta.value), "runs": bool(torch.isfinite(rotary(torch.ones(2, 8))).all())}
+    out["rotary"] = {
+        "refused": str(left_on_meta.value),
+        "runs": bool(torch.isfinite(rotary(torch.ones(2, 8))).all()),
+    }
     return out
 
 
@@ -216,10 +250,13 @@ def test_meta_built_conv1d_model_needs_and_takes_pretrained_weights(tmp_path, wo
             message = r[stage]["refused"]
             assert "nothing initialised them" in message and "load_pretrained" in message, message
             assert "'h.0.c_attn.bias', 'h.0.c_attn.weight'" in message, message  # Conv1D's, named
-            assert "ln_1" not in message and "wte" not in message  # reset_parameters() covered those
+            # reset_parameters() covered those
+            assert "ln_1" not in message and "wte" not in message
         assert r["resumed"]
         message = r["rotary"]["refused"]
-        assert "left on the meta device" in message and "['0.inv_freq', '1.inv_freq']" in message, message
+        assert "left on the meta device" in message and "['0.inv_freq', '1.inv_freq']" in message, (
+            message
+        )
         assert r["rotary"]["runs"]
 
 
@@ -257,7 +294,9 @@ def _big_memory_case(path: str) -> dict:
         model = BigModel()
     model_bytes = sum(p.numel() * 4 for p in model.parameters())
     with track() as build:
-        opt = zerolite.shard(model, torch.optim.AdamW(model.parameters()), zerolite.ZeroConfig(stage=3))
+        opt = zerolite.shard(
+            model, torch.optim.AdamW(model.parameters()), zerolite.ZeroConfig(stage=3)
+        )
     held = footprint(opt).total
     sizes = [f.layout.padded_numel * f.data.element_size() for f in opt.flats]
     with track(opt) as load:
@@ -279,10 +318,18 @@ def test_meta_build_and_load_pretrained_peak_memory_at_n4(tmp_path):
     with torch.device("meta"):
         shapes = {k: (v.shape, v.dtype) for k, v in BigModel().state_dict().items()}
     g = torch.Generator().manual_seed(0)
-    save_file({k: torch.randn(shape, generator=g).to(dtype) * 0.02 for k, (shape, dtype) in shapes.items()}, path)
+    save_file(
+        {
+            k: torch.randn(shape, generator=g).to(dtype) * 0.02
+            for k, (shape, dtype) in shapes.items()
+        },
+        path,
+    )
     for rank, r in enumerate(run_ranks(_big_memory_case, 4, path, timeout=240)):
-        print(f"rank {rank}: build peak {r['build'] / 1e6:.1f} MB, load peak {r['load'] / 1e6:.1f} MB, "
-              f"held {r['held'] / 1e6:.1f} MB, largest unit {r['largest_unit'] / 1e6:.1f} MB")
+        print(
+            f"rank {rank}: build peak {r['build'] / 1e6:.1f} MB, load peak {r['load'] / 1e6:.1f} "
+            f"MB, held {r['held'] / 1e6:.1f} MB, largest unit {r['largest_unit'] / 1e6:.1f} MB"
+        )
         assert r["model_bytes"] >= 400e6 and r["units"] >= 8, r
         # This rank's quarter of the parameters and of the gradient shards, nothing else.
         assert math.isclose(r["held"], 2 * r["model_bytes"] / 4, rel_tol=0.02), r
@@ -313,7 +360,9 @@ def test_meta_build_bad_input_is_refused_clearly():
 
     model = meta_model()
     with pytest.raises(ValueError, match="ZeroConfig.device is 'meta'"):
-        zerolite.shard(model, torch.optim.AdamW(model.parameters()), zerolite.ZeroConfig(device="meta"))
+        zerolite.shard(
+            model, torch.optim.AdamW(model.parameters()), zerolite.ZeroConfig(device="meta")
+        )
     opt = torch.optim.AdamW(model.parameters())
     opt.state[model[0].weight]["step"] = torch.tensor(1.0)
     with pytest.raises(ValueError, match="optimizer has state for parameters on the meta device"):
@@ -328,15 +377,28 @@ def test_meta_build_bad_input_is_refused_clearly():
 
     real = nn.Linear(4, 4)
     real.register_buffer("scale", torch.empty(4, device="meta"))
-    with pytest.raises(ValueError, match="buffer 'scale' is on the meta device while the trained parameters are on cpu"):
+    with pytest.raises(
+        ValueError,
+        match="buffer 'scale' is on the meta device while the trained parameters are on cpu",
+    ):
         zerolite.shard(real, torch.optim.AdamW(real.parameters()))
 
     with torch.device("meta"):
         overreaching = Overreaching()
-    with pytest.raises(RuntimeError, match=r"reset_parameters\(\) of module '<root>' \(Overreaching\).*only write its own"):
-        zerolite.shard(overreaching, torch.optim.AdamW(overreaching.parameters()), zerolite.ZeroConfig(stage=3))
+    with pytest.raises(
+        RuntimeError,
+        match=r"reset_parameters\(\) of module '<root>' \(Overreaching\).*only write its own",
+    ):
+        zerolite.shard(
+            overreaching, torch.optim.AdamW(overreaching.parameters()), zerolite.ZeroConfig(stage=3)
+        )
 
     model = meta_model()
-    with pytest.raises(RuntimeError, match=r"ZeroConfig.init_fn of module '0' \(Linear\) failed.*boom"):
-        zerolite.shard(model, torch.optim.AdamW(model.parameters()),
-                       zerolite.ZeroConfig(init_fn=lambda m: (_ for _ in ()).throw(ValueError("boom"))))
+    with pytest.raises(
+        RuntimeError, match=r"ZeroConfig.init_fn of module '0' \(Linear\) failed.*boom"
+    ):
+        zerolite.shard(
+            model,
+            torch.optim.AdamW(model.parameters()),
+            zerolite.ZeroConfig(init_fn=lambda m: (_ for _ in ()).throw(ValueError("boom"))),
+        )

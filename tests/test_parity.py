@@ -4,10 +4,9 @@ import pytest
 import torch.distributed as dist
 
 import zerolite
-from zerolite.testing import run_ranks
-
 from tests import parity
 from tests.comm_spy import CommSpy
+from zerolite.testing import run_ranks
 
 
 def _parity_all_optimizers(stages: tuple[int, ...]) -> dict:
@@ -29,7 +28,9 @@ def _parity_all_optimizers(stages: tuple[int, ...]) -> dict:
                 )
                 losses = parity.train(model, opt, data, sliced=True, set_to_none=set_to_none)
                 label = f"{name}/stage{stage}/set_to_none={set_to_none}"
-                report[label] = parity.check_parity(label, model, losses, ref_model, ref_losses, ddp_errors)
+                report[label] = parity.check_parity(
+                    label, model, losses, ref_model, ref_losses, ddp_errors
+                )
             if stage >= 2 and dist.get_world_size() > 1:
                 # The collectives NCCL runs (torch.distributed's reduce-scatter / all-gather
                 # kernels), here on gloo, so that path is exercised without a GPU.
@@ -42,9 +43,13 @@ def _parity_all_optimizers(stages: tuple[int, ...]) -> dict:
                     losses = parity.train(model, opt, data, sliced=True)
                 point_to_point = [e for e in spy.events if e[0] in ("isend", "irecv")]
                 if point_to_point:
-                    raise AssertionError(f"collectives='native' sent point-to-point: {point_to_point[:3]}")
+                    raise AssertionError(
+                        f"collectives='native' sent point-to-point: {point_to_point[:3]}"
+                    )
                 label = f"{name}/stage{stage}/native"
-                report[label] = parity.check_parity(label, model, losses, ref_model, ref_losses, ddp_errors)
+                report[label] = parity.check_parity(
+                    label, model, losses, ref_model, ref_losses, ddp_errors
+                )
     return report
 
 
@@ -52,7 +57,10 @@ def _parity_all_optimizers(stages: tuple[int, ...]) -> dict:
 def test_parity_all_stages_fp32(world_size):
     reports = run_ranks(_parity_all_optimizers, world_size, (1, 2, 3), timeout=300)
     for rank_report in reports:
-        assert set(rank_report) >= {"AdamW/stage1/set_to_none=True", "Adagrad/stage2/set_to_none=False"}
+        assert set(rank_report) >= {
+            "AdamW/stage1/set_to_none=True",
+            "Adagrad/stage2/set_to_none=False",
+        }
         if world_size > 1:
             assert {"AdamW/stage2/native", "SGD/stage3/native"} <= set(rank_report)
     print(f"\nworld size {world_size}: worst per-tensor rel error vs single process:")

@@ -168,7 +168,11 @@ def _footprint_case(dtype_name: str) -> dict:
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype_name]
     n = dist.get_world_size()
     model = parity.make_model()
-    opt = zerolite.shard(model, parity.make_optimizer("AdamW", model), zerolite.ZeroConfig(stage=3, param_dtype=dtype))
+    opt = zerolite.shard(
+        model,
+        parity.make_optimizer("AdamW", model),
+        zerolite.ZeroConfig(stage=3, param_dtype=dtype),
+    )
     parity.train(model, opt, parity.batches(2), sliced=True)
     fp = footprint(opt)
     psi = sum(p.numel() for p in model.parameters())
@@ -177,7 +181,9 @@ def _footprint_case(dtype_name: str) -> dict:
     pad = shard_elems - psi / n  # per-rank padding elements in every sharded category
     size = torch.empty(0, dtype=dtype).element_size()
     master = 0 if dtype == torch.float32 else 4
-    steps = sum(1 for s in opt.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() == 0)
+    steps = sum(
+        1 for s in opt.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() == 0
+    )
     expected = ref.model_states + (2 * size + master + 8) * pad + 4 * steps
     return {"measured": fp.model_states, "expected": expected, "transient": fp.transient}
 
@@ -201,7 +207,9 @@ def _clip_and_schedule_case() -> dict:
     for x, y in data:
         reference(x, y).backward()
         true = torch.nn.utils.clip_grad_norm_(reference.parameters(), math.inf)  # measure only
-        max_norm = 0.1 * float(torch.nn.utils.get_total_norm([p.grad for p in reference.parameters()]))
+        max_norm = 0.1 * float(
+            torch.nn.utils.get_total_norm([p.grad for p in reference.parameters()])
+        )
         ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), max_norm)
         ref_opt.step()
         ref_opt.zero_grad()
@@ -221,7 +229,9 @@ def _clip_and_schedule_case() -> dict:
         ddp_opt.zero_grad()
     ddp_errors = parity.tensor_errors(ddp_model, reference)
     errors = parity.tensor_errors(model, reference)
-    bad = {k: (e, ddp_errors[k]) for k, e in errors.items() if not e <= max(2 * ddp_errors[k], 1e-6)}
+    bad = {
+        k: (e, ddp_errors[k]) for k, e in errors.items() if not e <= max(2 * ddp_errors[k], 1e-6)
+    }
     # Scheduler built on the user's optimizer before shard(): lr = 0 at step 2.
     model2 = parity.make_model()
     sgd = torch.optim.SGD(model2.parameters(), lr=0.1)

@@ -28,8 +28,8 @@ def make_llama(seed: int = 0):
 
     torch.manual_seed(seed)
     cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=64,
-                      bos_token_id=1, eos_token_id=2, pad_token_id=0)
+                      num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
+                      max_position_embeddings=64, bos_token_id=1, eos_token_id=2, pad_token_id=0)
     return LlamaForCausalLM(cfg)
 
 

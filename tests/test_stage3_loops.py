@@ -28,7 +28,11 @@ class VariantGPT(GPT):
     def forward(self, idx, targets=None):
         x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1]))
         for block in self.blocks:
-            x = checkpoint(block, x, use_reentrant=False) if self.variant == "checkpoint" else block(x)
+            x = (
+                checkpoint(block, x, use_reentrant=False)
+                if self.variant == "checkpoint"
+                else block(x)
+            )
         if self.variant == "twice":
             x = self.blocks[0](x)  # the same unit again, later in the same forward
         logits = self.head(self.ln_f(x))
@@ -43,7 +47,9 @@ def _make(variant: str) -> GPT:
 def _variant_case(variant: str) -> dict:
     data = parity.batches(4)
     reference = _make(variant)
-    ref_losses = parity.train(reference, parity.make_optimizer("AdamW", reference), data, sliced=False)
+    ref_losses = parity.train(
+        reference, parity.make_optimizer("AdamW", reference), data, sliced=False
+    )
     ddp_model = _make(variant)
     ddp = torch.nn.parallel.DistributedDataParallel(ddp_model)
     parity.train(ddp, parity.make_optimizer("AdamW", ddp_model), data, sliced=True)
@@ -81,7 +87,9 @@ def _accumulation_case(use_no_sync: bool) -> dict:
     ddp_opt.step()
     ddp_errors = parity.tensor_errors(ddp_model, reference)
     errors = parity.tensor_errors(model, reference)
-    bad = {k: (e, ddp_errors[k]) for k, e in errors.items() if not e <= max(2 * ddp_errors[k], 1e-6)}
+    bad = {
+        k: (e, ddp_errors[k]) for k, e in errors.items() if not e <= max(2 * ddp_errors[k], 1e-6)
+    }
     largest, root = _unit_bytes(opt)
     return {"bad": bad, "peak": meter.peak, "bound": 2 * largest + root}
 
@@ -110,16 +118,32 @@ def _frozen_case() -> dict:
     opt = zerolite.shard(model, _trainable_adamw(model), zerolite.ZeroConfig(stage=3))
     meter = LiveUnitMeter(model)
     losses = parity.train(model, opt, data, sliced=True)
-    parity.check_parity("frozen", model, losses, reference, ref_losses, parity.tensor_errors(ddp_model, reference))
+    parity.check_parity(
+        "frozen", model, losses, reference, ref_losses, parity.tensor_errors(ddp_model, reference)
+    )
     trainable = sum(p.numel() for p in model.blocks[1].parameters())
     n = dist.get_world_size()
     fp = footprint(opt)
-    frozen_grads = [n for n, p in model.named_parameters() if not p.requires_grad and p.grad is not None]
+    frozen_grads = [
+        n for n, p in model.named_parameters() if not p.requires_grad and p.grad is not None
+    ]
     total = sum(p.numel() for p in model.parameters())
-    unit_sizes = [max(f.layout.padded_numel * 4 for f in fs) for fs in model._zerolite_units.flats if fs]
-    return {"peak": meter.peak, "bound": 2 * max(unit_sizes[:-1]) + 2 * unit_sizes[-1],"grads": fp.grads, "state": fp.optimizer_state, "params": fp.params, "trainable": trainable, "n": n,
-            "total": total, "frozen_grads": frozen_grads, "managed": [name for f in opt.flats for name in f.names],
-            "frozen_sharded": sorted(name for f in opt.frozen_flats for name in f.names)}
+    unit_sizes = [
+        max(f.layout.padded_numel * 4 for f in fs) for fs in model._zerolite_units.flats if fs
+    ]
+    return {
+        "peak": meter.peak,
+        "bound": 2 * max(unit_sizes[:-1]) + 2 * unit_sizes[-1],
+        "grads": fp.grads,
+        "state": fp.optimizer_state,
+        "params": fp.params,
+        "trainable": trainable,
+        "n": n,
+        "total": total,
+        "frozen_grads": frozen_grads,
+        "managed": [name for f in opt.flats for name in f.names],
+        "frozen_sharded": sorted(name for f in opt.frozen_flats for name in f.names),
+    }
 
 
 def _gathered_case() -> dict:
@@ -140,9 +164,16 @@ def _gathered_case() -> dict:
     parity.train(model, opt, parity.batches(1), sliced=True)
     after = zerolite.full_state_dict(model, rank0_only=False)["blocks.0.fc.weight"]
     streamed = dict(zerolite.iter_full_state_dict(model))
-    same = all(torch.equal(streamed[k], v) for k, v in zerolite.full_state_dict(model, rank0_only=False).items())
-    return {"seen_full": seen_full, "edited": edited, "moved_from_edit": float((after - 0.5).abs().max()),
-            "streamed_equal": same}
+    same = all(
+        torch.equal(streamed[k], v)
+        for k, v in zerolite.full_state_dict(model, rank0_only=False).items()
+    )
+    return {
+        "seen_full": seen_full,
+        "edited": edited,
+        "moved_from_edit": float((after - 0.5).abs().max()),
+        "streamed_equal": same,
+    }
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
@@ -199,7 +230,11 @@ def _fp16_case(stage: int) -> dict:
         opt.zero_grad()
         skipped.append(opt.step_was_skipped)
         scales.append(opt.loss_scaler.scale)
-    return {"skipped": skipped, "scales": scales, "state": zerolite.full_state_dict(model, rank0_only=False)}
+    return {
+        "skipped": skipped,
+        "scales": scales,
+        "state": zerolite.full_state_dict(model, rank0_only=False),
+    }
 
 
 def test_fp16_loss_scaling_in_stage_3_matches_stage_2():

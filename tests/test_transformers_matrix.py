@@ -42,28 +42,34 @@ def _build(name: str) -> nn.Module:
                             resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
         return tf.GPT2LMHeadModel(cfg)
     if name == "llama":
-        cfg = tf.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                             num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32)
+        cfg = tf.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                             num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                             max_position_embeddings=32)
         return tf.LlamaForCausalLM(cfg)
     if name == "bert":
-        cfg = tf.BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                            intermediate_size=64, max_position_embeddings=32, hidden_dropout_prob=0.0,
+        cfg = tf.BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2,
+                            num_attention_heads=2, intermediate_size=64,
+                            max_position_embeddings=32, hidden_dropout_prob=0.0,
                             attention_probs_dropout_prob=0.0)
         return tf.BertForMaskedLM(cfg)
     if name == "t5":
-        cfg = tf.T5Config(vocab_size=VOCAB, d_model=32, d_kv=16, d_ff=64, num_layers=2, num_decoder_layers=2,
-                          num_heads=2, dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0)
+        cfg = tf.T5Config(vocab_size=VOCAB, d_model=32, d_kv=16, d_ff=64, num_layers=2,
+                          num_decoder_layers=2, num_heads=2, dropout_rate=0.0,
+                          decoder_start_token_id=0, pad_token_id=0)
         return tf.T5ForConditionalGeneration(cfg)
     if name == "mixtral":
-        cfg = tf.MixtralConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                               num_attention_heads=2, num_key_value_heads=1, num_local_experts=4,
-                               num_experts_per_tok=1, max_position_embeddings=32)
+        cfg = tf.MixtralConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                               num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                               num_local_experts=4, num_experts_per_tok=1,
+                               max_position_embeddings=32)
         return tf.MixtralForCausalLM(cfg)
     if name == "switch":
-        cfg = tf.SwitchTransformersConfig(vocab_size=VOCAB, d_model=32, d_kv=16, d_ff=64, num_layers=2,
-                                          num_decoder_layers=2, num_heads=2, num_experts=8, expert_capacity=64,
-                                          num_sparse_encoder_layers=1, num_sparse_decoder_layers=1,
-                                          dropout_rate=0.0, router_jitter_noise=0.0, decoder_start_token_id=0,
+        cfg = tf.SwitchTransformersConfig(vocab_size=VOCAB, d_model=32, d_kv=16, d_ff=64,
+                                          num_layers=2, num_decoder_layers=2, num_heads=2,
+                                          num_experts=8, expert_capacity=64,
+                                          num_sparse_encoder_layers=1,
+                                          num_sparse_decoder_layers=1, dropout_rate=0.0,
+                                          router_jitter_noise=0.0, decoder_start_token_id=0,
                                           pad_token_id=0)
         return tf.SwitchTransformersForConditionalGeneration(cfg)
     raise ValueError(name)
@@ -75,11 +81,14 @@ def _batches(name: str) -> list[dict[str, torch.Tensor]]:
         g = torch.Generator().manual_seed(100 + step)
         ids = torch.randint(1, VOCAB, (BATCH, SEQ), generator=g)
         if name == "bert":  # ~25 % of positions predicted, a different count on each rank
-            labels = torch.where(torch.rand(BATCH, SEQ, generator=g) < 0.25, ids, torch.full_like(ids, -100))
+            labels = torch.where(
+                torch.rand(BATCH, SEQ, generator=g) < 0.25, ids, torch.full_like(ids, -100)
+            )
             labels[:, 0] = ids[:, 0]  # at least one label per row
             out.append({"input_ids": ids, "labels": labels})
         elif name in ("t5", "switch"):
-            out.append({"input_ids": ids, "labels": torch.randint(1, VOCAB, (BATCH, SEQ // 2), generator=g)})
+            out.append({"input_ids": ids,
+                        "labels": torch.randint(1, VOCAB, (BATCH, SEQ // 2), generator=g)})
         else:
             out.append({"input_ids": ids, "labels": ids})
     return out

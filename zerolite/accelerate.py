@@ -35,7 +35,12 @@ from typing import Any
 
 import torch
 from accelerate import Accelerator
-from accelerate.checkpointing import load_accelerator_state, load_custom_state, save_accelerator_state, save_custom_state
+from accelerate.checkpointing import (
+    load_accelerator_state,
+    load_custom_state,
+    save_accelerator_state,
+    save_custom_state,
+)
 from accelerate.optimizer import AcceleratedOptimizer
 from torch import nn
 
@@ -61,8 +66,8 @@ def zero_config_for(accelerator: Accelerator, zero_config: ZeroConfig | None) ->
     if precision == "fp16":
         if accelerator.device.type != "cuda":
             raise ValueError(
-                "mixed_precision='fp16' needs a CUDA device (zerolite scales the fp16 loss there); on CPU "
-                "use mixed_precision='bf16' or 'no'"
+                "mixed_precision='fp16' needs a CUDA device (zerolite scales the fp16 loss there); "
+                "on CPU use mixed_precision='bf16' or 'no'"
             )
         return dataclasses.replace(config, param_dtype=torch.float16)
     return config
@@ -73,10 +78,11 @@ def check_launch(accelerator: Accelerator) -> None:
     launched = int(os.environ.get("WORLD_SIZE", "1"))
     if launched != accelerator.num_processes:
         raise RuntimeError(
-            f"the launcher started {launched} processes (WORLD_SIZE={launched}) but Accelerate sees "
-            f"{accelerator.num_processes}: every process would train alone. On CPU, launch with "
-            "ACCELERATE_USE_CPU=1 and a config with distributed_type: MULTI_GPU, use_cpu: true, "
-            "num_processes: N (see examples/accelerate/); on GPUs check num_processes in the config."
+            f"the launcher started {launched} processes (WORLD_SIZE={launched}) but Accelerate "
+            f"sees {accelerator.num_processes}: every process would train alone. On CPU, launch "
+            f"with ACCELERATE_USE_CPU=1 and a config with distributed_type: MULTI_GPU, use_cpu: "
+            f"true, num_processes: N (see examples/accelerate/); on GPUs check num_processes in "
+            f"the config."
         )
 
 
@@ -97,9 +103,13 @@ class _ZeroMethods:
     zero_config: ZeroConfig
     _zero_sharded: list[tuple[nn.Module, ShardedOptimizer]]
 
-    def _sharded_optimizer(self: Any, parameters: Iterable[torch.Tensor] | None = None) -> ShardedOptimizer:
+    def _sharded_optimizer(
+        self: Any, parameters: Iterable[torch.Tensor] | None = None
+    ) -> ShardedOptimizer:
         if not self._zero_sharded:
-            raise RuntimeError("no optimizer was sharded yet: pass the model and optimizer to prepare() first")
+            raise RuntimeError(
+                "no optimizer was sharded yet: pass the model and optimizer to prepare() first"
+            )
         if parameters is not None and len(self._zero_sharded) > 1:
             wanted = {id(p) for p in parameters}
             for model, opt in self._zero_sharded:
@@ -115,7 +125,9 @@ class _ZeroMethods:
             with model.no_sync():
                 yield
 
-    def clip_grad_norm_(self: Any, parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2) -> torch.Tensor:
+    def clip_grad_norm_(
+        self: Any, parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2
+    ) -> torch.Tensor:
         """The global norm over all ranks' gradient shards (every rank must call)."""
         return self._sharded_optimizer(parameters).clip_grad_norm_(max_norm, norm_type)
 
@@ -132,7 +144,9 @@ class _ZeroMethods:
         config = self.project_configuration
         if not config.automatic_checkpoint_naming:
             if output_dir is None:
-                raise ValueError("save_state() needs output_dir unless automatic_checkpoint_naming is set")
+                raise ValueError(
+                    "save_state() needs output_dir unless automatic_checkpoint_naming is set"
+                )
             target = Path(output_dir)
             if not overwrite and target.is_dir() and any(target.iterdir()):
                 raise ValueError(
@@ -159,7 +173,11 @@ class _ZeroMethods:
         return target
 
     def save_state(
-        self: Any, output_dir: str | os.PathLike | None = None, *, overwrite: bool = False, **kwargs: Any
+        self: Any,
+        output_dir: str | os.PathLike | None = None,
+        *,
+        overwrite: bool = False,
+        **kwargs: Any,
     ) -> str:
         """Save models and sharded optimizers with `zerolite.checkpoint` (each rank its shard),
         plus Accelerate's dataloader, RNG and registered-object states. All ranks must call.
@@ -173,7 +191,8 @@ class _ZeroMethods:
                 pruned.
         """
         target = self._checkpoint_dir(output_dir, overwrite)
-        self.wait_for_everyone()  # rank 0 has pruned old checkpoints before anyone creates the new one
+        # rank 0 has pruned old checkpoints before anyone creates the new one
+        self.wait_for_everyone()
         target.mkdir(parents=True, exist_ok=True)
         schedulers = [getattr(s, "scheduler", s) for s in self._schedulers]
         for i, (model, opt) in enumerate(self._zero_sharded):
@@ -181,10 +200,13 @@ class _ZeroMethods:
                 target / f"zerolite_{i}", model, opt, schedulers=schedulers if i == 0 else (),
                 extra={"step": self.step}, overwrite=overwrite,
             )
-        save_accelerator_state(str(target), [], [], [], self._dataloaders, self.state.process_index, self.step,
-                               None, save_on_each_node=self.project_configuration.save_on_each_node)
+        save_accelerator_state(str(target), [], [], [], self._dataloaders, self.state.process_index,
+                               self.step, None,
+                               save_on_each_node=self.project_configuration.save_on_each_node)
         for i, obj in enumerate(self._custom_objects):
-            save_custom_state(obj, str(target), i, save_on_each_node=self.project_configuration.save_on_each_node)
+            save_custom_state(
+                obj, str(target), i, save_on_each_node=self.project_configuration.save_on_each_node
+            )
         self.project_configuration.iteration += 1
         self.wait_for_everyone()
         return str(target)
@@ -193,21 +215,30 @@ class _ZeroMethods:
         """Load what `save_state` wrote, at any world size (all ranks must call)."""
         if input_dir is None:
             if not self.project_configuration.automatic_checkpoint_naming:
-                raise ValueError("load_state() needs input_dir unless automatic_checkpoint_naming is set")
+                raise ValueError(
+                    "load_state() needs input_dir unless automatic_checkpoint_naming is set"
+                )
             root = Path(self.project_dir) / "checkpoints"
-            input_dir = max(root.iterdir(), key=lambda p: int(re.search(r"(\d+)$", p.name).group(1)))
+            input_dir = max(
+                root.iterdir(), key=lambda p: int(re.search(r"(\d+)$", p.name).group(1))
+            )
         source = Path(input_dir)
         schedulers = [getattr(s, "scheduler", s) for s in self._schedulers]
         for i, (model, opt) in enumerate(self._zero_sharded):
-            zerolite.checkpoint.load(source / f"zerolite_{i}", model, opt, schedulers=schedulers if i == 0 else ())
-        override = load_accelerator_state(str(source), [], [], [], self._dataloaders, self.state.process_index,
-                                          None, load_kwargs={"weights_only": True})
+            zerolite.checkpoint.load(
+                source / f"zerolite_{i}", model, opt, schedulers=schedulers if i == 0 else ()
+            )
+        override = load_accelerator_state(str(source), [], [], [], self._dataloaders,
+                                          self.state.process_index, None,
+                                          load_kwargs={"weights_only": True})
         if "step" in override:
             self.step = override["step"]
         for i, obj in enumerate(self._custom_objects):
             load_custom_state(obj, str(source), i)
         if self.project_configuration.automatic_checkpoint_naming:
-            self.project_configuration.iteration = int(re.search(r"(\d+)$", source.name).group(1)) + 1
+            self.project_configuration.iteration = (
+                int(re.search(r"(\d+)$", source.name).group(1)) + 1
+            )
 
 
 class _SkipAwareOptimizer(AcceleratedOptimizer):
@@ -252,25 +283,36 @@ class ZeroAccelerator(_ZeroMethods, Accelerator):
         finally:
             self._zero_pending = ()
 
-    def prepare_model(self, model: nn.Module, device_placement: bool | None = None, evaluation_mode: bool = False) -> nn.Module:
+    def prepare_model(
+        self, model: nn.Module, device_placement: bool | None = None, evaluation_mode: bool = False
+    ) -> nn.Module:
         """Device placement and autocast as Accelerate does, but never a DDP wrapper."""
         if id(model) in self._zero_models:
             return self._zero_models[id(model)]
         if _on_meta(model):  # built on meta: shard() materialises it on self.device
             device_placement = False
-        prepared = super().prepare_model(model, device_placement=device_placement, evaluation_mode=True)
+        prepared = super().prepare_model(
+            model, device_placement=device_placement, evaluation_mode=True
+        )
         self._zero_models[id(model)] = prepared
         return prepared
 
-    def prepare_optimizer(self, optimizer: torch.optim.Optimizer, device_placement: bool | None = None) -> AcceleratedOptimizer:
+    def prepare_optimizer(
+        self, optimizer: torch.optim.Optimizer, device_placement: bool | None = None
+    ) -> AcceleratedOptimizer:
         """Shard ``optimizer`` over the prepared model that holds its parameters."""
         if isinstance(optimizer, AcceleratedOptimizer):
             return optimizer
         owned = {id(p) for g in optimizer.param_groups for p in g["params"]}
-        candidates = [*self._zero_models.values(), *(a for a in self._zero_pending if isinstance(a, nn.Module))]
+        candidates = [
+            *self._zero_models.values(),
+            *(a for a in self._zero_pending if isinstance(a, nn.Module)),
+        ]
         model = next((m for m in candidates if owned & {id(p) for p in m.parameters()}), None)
         if model is None:
-            raise ValueError("prepare() needs the model together with its optimizer (or prepare the model first)")
+            raise ValueError(
+                "prepare() needs the model together with its optimizer (or prepare the model first)"
+            )
         model = self.prepare_model(model)
         sharded = shard(model, optimizer, _materialise_on(self, model, self.zero_config))
         self._zero_sharded.append((model, sharded))
@@ -307,7 +349,9 @@ def setup(
         optimizer wrapped as Accelerate expects.
     """
     check_launch(accelerator)
-    model = accelerator.prepare_model(model, device_placement=False if _on_meta(model) else None, evaluation_mode=True)
+    model = accelerator.prepare_model(
+        model, device_placement=False if _on_meta(model) else None, evaluation_mode=True
+    )
     patched: Any = accelerator
     patched.zero_config = zero_config_for(accelerator, zero_config)
     patched.scaler = None

@@ -57,12 +57,16 @@ class GradBucket:
         n = flat.layout.shard_numel
         # 1-D, full_dtype, padded_numel: local gradients (None while not needed).
         self.full: torch.Tensor | None = (
-            torch.zeros(flat.layout.padded_numel, dtype=full_dtype, device=device) if keep_full else None
+            torch.zeros(flat.layout.padded_numel, dtype=full_dtype, device=device)
+            if keep_full
+            else None
         )
         self.shard_dtype = shard_dtype
         # 1-D, shard_dtype, shard_numel: reduced gradients of this rank's shard
         # (stage 1: only from a step boundary's launch until `consume`).
-        self.shard: torch.Tensor | None = None if keep_full else torch.zeros(n, dtype=shard_dtype, device=device)
+        self.shard: torch.Tensor | None = (
+            None if keep_full else torch.zeros(n, dtype=shard_dtype, device=device)
+        )
         self.shard_is_zero = True
         # Whether `full` holds gradients that no reduce-scatter has consumed yet.
         self.unreduced = False
@@ -82,7 +86,9 @@ class GradBucket:
         `add_grad`, and any region no gradient reached is zeroed at `launch`)."""
         if self.full is None:
             layout = self.flat.layout
-            self.full = torch.empty(layout.padded_numel, dtype=self.full_dtype, device=self.flat.data.device)
+            self.full = torch.empty(
+                layout.padded_numel, dtype=self.full_dtype, device=self.flat.data.device
+            )
             self.full[layout.numel :].zero_()
             self._written = [False] * len(self.flat.params)
         return self.full
@@ -127,7 +133,9 @@ class GradBucket:
         """Start reducing ``full`` into this rank's shard. Every rank must launch each
         bucket the same number of times, in the same order relative to other buckets."""
         if self._pending is not None:
-            raise RuntimeError(f"{self.group.prefix()} bucket {self.flat.index} launched twice without wait()")
+            raise RuntimeError(
+                f"{self.group.prefix()} bucket {self.flat.index} launched twice without wait()"
+            )
         full = self.full_buffer()
         if not self.keep_full:
             for i, written in enumerate(self._written):
@@ -135,12 +143,16 @@ class GradBucket:
                     self.grad_view(i).zero_()
         send = full if full.dtype == self.shard_dtype else full.to(self.shard_dtype)
         if self.shard is None:
-            self.shard = torch.empty(self.flat.layout.shard_numel, dtype=self.shard_dtype, device=full.device)
+            self.shard = torch.empty(
+                self.flat.layout.shard_numel, dtype=self.shard_dtype, device=full.device
+            )
             self.shard_is_zero = True
         # Reduce straight into the shard when it holds nothing yet.
         out = self.shard if self.shard_is_zero else torch.empty_like(self.shard)
         what = f"the reduce-scatter of gradient bucket {self.flat.index}"
-        self._pending = reduce_scatter_avg(send, out, self.group, key=2 * self.flat.index, what=what)
+        self._pending = reduce_scatter_avg(
+            send, out, self.group, key=2 * self.flat.index, what=what
+        )
         self._result, self._sent = out, send
         self._reset_arrivals()
         self.unreduced = False

@@ -23,12 +23,19 @@ from zerolite.checkpoint.format import CheckpointError
 
 # name -> (module providing add_arguments/run, one-line help)
 _SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "estimate": ("zerolite.memory.commands",
-                 "per-rank memory of every stage (the ZeRO formulas, or exact for a model)"),
-    "consolidate": ("zerolite.checkpoint.commands", "write a checkpoint as one plain safetensors file"),
+    "estimate": (
+        "zerolite.memory.commands",
+        "per-rank memory of every stage (the ZeRO formulas, or exact for a model)",
+    ),
+    "consolidate": (
+        "zerolite.checkpoint.commands",
+        "write a checkpoint as one plain safetensors file",
+    ),
     "verify": ("zerolite.checkpoint.commands", "check every shard file's size and sha256"),
-    "inspect": ("zerolite.checkpoint.commands",
-                "summarise a checkpoint (world size, stage, step, ...)"),
+    "inspect": (
+        "zerolite.checkpoint.commands",
+        "summarise a checkpoint (world size, stage, step, ...)",
+    ),
 }
 
 # What a user's input can raise: reported in one line. Anything else is a bug: traceback.

@@ -201,7 +201,9 @@ def _accumulate_dtype(dtype: torch.dtype) -> torch.dtype:
     return dtype
 
 
-def reduce_scatter_avg(full: torch.Tensor, out: torch.Tensor, group: Group, *, key: int, what: str) -> Pending:
+def reduce_scatter_avg(
+    full: torch.Tensor, out: torch.Tensor, group: Group, *, key: int, what: str
+) -> Pending:
     """Launch: ``out`` (this rank's chunk) = mean over ranks of their ``full``'s chunk ``rank``.
 
     Args:
@@ -229,13 +231,17 @@ def reduce_scatter_avg(full: torch.Tensor, out: torch.Tensor, group: Group, *, k
     tag = _tag(group.next_sequence(), key)
     with record_function("zerolite::reduce_scatter"):
         if not group.point_to_point:
-            work = _reduce_scatter_flat(out, full, op=dist.ReduceOp.AVG, group=group.pg, async_op=True)
+            work = _reduce_scatter_flat(
+                out, full, op=dist.ReduceOp.AVG, group=group.pg, async_op=True
+            )
             return Pending([work], group=group, what=what)
         received = torch.empty((n - 1, shard), dtype=full.dtype, device=full.device)
         works = []
         for k in range(1, n):
             dst, src = (group.rank + k) % n, (group.rank - k) % n
-            works.append(dist.isend(_chunk(full, dst, shard), group.global_rank(dst), group.pg, tag))
+            works.append(
+                dist.isend(_chunk(full, dst, shard), group.global_rank(dst), group.pg, tag)
+            )
             works.append(dist.irecv(received[k - 1], group.global_rank(src), group.pg, tag))
 
     def finish() -> None:
@@ -268,19 +274,28 @@ def all_gather_inplace(full: torch.Tensor, group: Group, *, key: int, what: str)
         return Pending()
     if full.numel() % n:
         raise RuntimeError(
-            f"{group.prefix()} all_gather_inplace: {full.numel()} elements do not split into {n} shards"
+            f"{group.prefix()} all_gather_inplace: {full.numel()} elements do not split into {n} "
+            f"shards"
         )
     shard = full.numel() // n
     tag = _tag(group.next_sequence(), key)
     with record_function("zerolite::all_gather"):
         if not group.point_to_point:
             mine = _chunk(full, group.rank, shard)
-            return Pending([_all_gather_flat(full, mine, group=group.pg, async_op=True)], group=group, what=what)
+            return Pending(
+                [_all_gather_flat(full, mine, group=group.pg, async_op=True)],
+                group=group,
+                what=what,
+            )
         works = []
         for k in range(1, n):
             dst, src = (group.rank + k) % n, (group.rank - k) % n
-            works.append(dist.isend(_chunk(full, group.rank, shard), group.global_rank(dst), group.pg, tag))
-            works.append(dist.irecv(_chunk(full, src, shard), group.global_rank(src), group.pg, tag))
+            works.append(
+                dist.isend(_chunk(full, group.rank, shard), group.global_rank(dst), group.pg, tag)
+            )
+            works.append(
+                dist.irecv(_chunk(full, src, shard), group.global_rank(src), group.pg, tag)
+            )
     return Pending(works, group=group, what=what)
 
 
@@ -308,7 +323,9 @@ def broadcast(tensor: torch.Tensor, src: int, group: Group, *, what: str) -> Non
         _bounded_wait(work, group, what)
 
 
-def broadcast_coalesced(tensors: Sequence[torch.Tensor], src: int, group: Group, *, what: str) -> None:
+def broadcast_coalesced(
+    tensors: Sequence[torch.Tensor], src: int, group: Group, *, what: str
+) -> None:
     """Bounded in-place broadcast of many tensors from group rank ``src``, one exchange per
     (dtype, device) kind (as DDP's construction-time broadcast); no-op for one rank."""
     if group.size == 1 or not tensors:

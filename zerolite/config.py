@@ -71,7 +71,11 @@ def _parse_number(field: str, raw: str, kind: type) -> Any:
 # field -> (environment variable, parser of its text, default)
 _ENV_FIELDS: dict[str, tuple[str, Callable[[str], Any], Any]] = {
     "stage": ("ZEROLITE_STAGE", lambda s: _parse_number("stage", s, int), 2),
-    "param_dtype": ("ZEROLITE_PARAM_DTYPE", lambda s: _parse_dtype("param_dtype", s), torch.float32),
+    "param_dtype": (
+        "ZEROLITE_PARAM_DTYPE",
+        lambda s: _parse_dtype("param_dtype", s),
+        torch.float32,
+    ),
     "reduce_dtype": (
         "ZEROLITE_REDUCE_DTYPE",
         lambda s: None if s.strip().lower() in ("", "none") else _parse_dtype("reduce_dtype", s),
@@ -159,7 +163,9 @@ class ZeroConfig:
     process_group: dist.ProcessGroup | None = None
     device: torch.device | None = _UNSET
     elementwise_optimizers: tuple[type[torch.optim.Optimizer], ...] = ()
-    unit_modules: tuple[type[torch.nn.Module], ...] | Callable[[torch.nn.Module], bool] | None = None
+    unit_modules: tuple[type[torch.nn.Module], ...] | Callable[[torch.nn.Module], bool] | None = (
+        None
+    )
     prefetch: int = _UNSET
     reshard_after_forward: bool = _UNSET
     collectives: str = _UNSET
@@ -197,7 +203,11 @@ class ZeroConfig:
         return name not in self._defaulted
 
     def _validate(self) -> None:
-        if isinstance(self.stage, bool) or not isinstance(self.stage, int) or self.stage not in (0, 1, 2, 3):
+        if (
+            isinstance(self.stage, bool)
+            or not isinstance(self.stage, int)
+            or self.stage not in (0, 1, 2, 3)
+        ):
             raise ValueError(
                 f"ZeroConfig.stage: got {self.stage!r}; allowed values are 0 (DDP, estimator "
                 "only), 1 (optimizer state), 2 (+ gradients) and 3 (+ parameters)"
@@ -209,11 +219,16 @@ class ZeroConfig:
             )
         if self.reduce_dtype is not None and self.reduce_dtype not in _ALLOWED_DTYPES:
             raise ValueError(
-                f"ZeroConfig.reduce_dtype: got {self.reduce_dtype!r}; allowed: None (= param_dtype), "
-                "torch.float32, torch.bfloat16, torch.float16"
+                f"ZeroConfig.reduce_dtype: got {self.reduce_dtype!r}; allowed: None (= "
+                f"param_dtype), torch.float32, torch.bfloat16, torch.float16"
             )
         size = self.bucket_size_mb
-        if isinstance(size, bool) or not isinstance(size, (int, float)) or not math.isfinite(size) or size <= 0:
+        if (
+            isinstance(size, bool)
+            or not isinstance(size, (int, float))
+            or not math.isfinite(size)
+            or size <= 0
+        ):
             raise ValueError(
                 f"ZeroConfig.bucket_size_mb: got {size!r}; allowed: a finite number of MiB > 0 "
                 "(floats allowed, e.g. 0.5)"
@@ -233,18 +248,28 @@ class ZeroConfig:
                     "device string such as 'cpu' or 'cuda:0'"
                 ) from None
         um = self.unit_modules
-        if um is not None and not callable(um) and not (
-            isinstance(um, tuple) and all(isinstance(c, type) and issubclass(c, torch.nn.Module) for c in um)
+        if (
+            um is not None
+            and not callable(um)
+            and not (
+                isinstance(um, tuple)
+                and all(isinstance(c, type) and issubclass(c, torch.nn.Module) for c in um)
+            )
         ):
             raise ValueError(
                 f"ZeroConfig.unit_modules: got {um!r}; allowed: None, a tuple of nn.Module "
                 "classes, or a callable module -> bool"
             )
-        if isinstance(self.prefetch, bool) or not isinstance(self.prefetch, int) or self.prefetch < 0:
+        if (
+            isinstance(self.prefetch, bool)
+            or not isinstance(self.prefetch, int)
+            or self.prefetch < 0
+        ):
             raise ValueError(f"ZeroConfig.prefetch: got {self.prefetch!r}; allowed: an int >= 0")
         if not isinstance(self.reshard_after_forward, bool):
             raise ValueError(
-                f"ZeroConfig.reshard_after_forward: got {self.reshard_after_forward!r}; allowed: True or False"
+                f"ZeroConfig.reshard_after_forward: got {self.reshard_after_forward!r}; allowed: "
+                f"True or False"
             )
         if self.collectives not in COLLECTIVES:
             raise ValueError(
@@ -253,10 +278,15 @@ class ZeroConfig:
             )
         t = self.timeout_s
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t <= 0:
-            raise ValueError(f"ZeroConfig.timeout_s: got {t!r}; allowed: a finite number of seconds > 0")
+            raise ValueError(
+                f"ZeroConfig.timeout_s: got {t!r}; allowed: a finite number of seconds > 0"
+            )
         object.__setattr__(self, "timeout_s", float(t))
         if self.init_fn is not None and not callable(self.init_fn):
-            raise ValueError(f"ZeroConfig.init_fn: got {self.init_fn!r}; allowed: None or a callable module -> None")
+            raise ValueError(
+                f"ZeroConfig.init_fn: got {self.init_fn!r}; allowed: None or a callable module -> "
+                f"None"
+            )
         eo = self.elementwise_optimizers
         if not isinstance(eo, tuple) or not all(
             isinstance(c, type) and issubclass(c, torch.optim.Optimizer) for c in eo

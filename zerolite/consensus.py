@@ -81,13 +81,20 @@ def agree(what: str, lines: list[str], error: BaseException | None, group: Group
         The rank's own ``error``; or `RankMismatchError` naming the failing rank or
         the first line on which ranks differ.
     """
-    payload = json.dumps({"error": None if error is None else f"{type(error).__name__}: {error}", "lines": lines})
+    payload = json.dumps(
+        {"error": None if error is None else f"{type(error).__name__}: {error}", "lines": lines}
+    )
     digest = hashlib.sha256(payload.encode()).digest() + (b"\x01" if error is not None else b"\x00")
     if group.size > 1:
         digests = all_gather_bytes(digest, group, what=f"{what} (ranks comparing plans)")
         if all(d == digests[0] for d in digests) and error is None:
             return
-        payloads = [json.loads(p) for p in all_gather_bytes(payload.encode(), group, what=f"{what} (ranks comparing plans)")]
+        payloads = [
+            json.loads(p)
+            for p in all_gather_bytes(
+                payload.encode(), group, what=f"{what} (ranks comparing plans)"
+            )
+        ]
     elif error is None:
         return
     else:
@@ -97,7 +104,9 @@ def agree(what: str, lines: list[str], error: BaseException | None, group: Group
     failed = [(r, p["error"]) for r, p in enumerate(payloads) if p["error"] is not None]
     if failed:
         rank, message = failed[0]
-        raise RankMismatchError(f"{group.prefix()} {what} failed on rank {rank}: {message}; every rank stops")
+        raise RankMismatchError(
+            f"{group.prefix()} {what} failed on rank {rank}: {message}; every rank stops"
+        )
     raise RankMismatchError(f"{group.prefix()} {what}: ranks differ. {_first_difference(payloads)}")
 
 
@@ -110,8 +119,8 @@ def _first_difference(payloads: list[dict]) -> str:
             theirs = lines[i] if i < len(lines) else "<nothing>"
             if mine != theirs:
                 return (
-                    f"Rank 0 has {mine!r} where rank {rank} has {theirs!r}. Every rank must build the "
-                    "same model (same parameter names, shapes and order), the same optimizer and the "
-                    "same ZeroConfig."
+                    f"Rank 0 has {mine!r} where rank {rank} has {theirs!r}. Every rank must build "
+                    f"the same model (same parameter names, shapes and order), the same optimizer "
+                    f"and the same ZeroConfig."
                 )
     return "The descriptions differ only in encoding."

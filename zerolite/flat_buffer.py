@@ -118,7 +118,8 @@ class FlatParamBuffer:
     def all_gather(self, group: Group, what: str = "") -> Pending:
         """Launch the in-place all-gather of ``data`` from every rank's chunk."""
         what = what or f"the all-gather of flat buffer {self.index}"
-        return all_gather_inplace(self.data, group, key=2 * self.index + 1, what=what)  # even: reduce-scatters
+        # even: reduce-scatters
+        return all_gather_inplace(self.data, group, key=2 * self.index + 1, what=what)
 
     def reshard(self) -> None:
         """Free the full buffer (stage 3; see [Note: freed parameters]); no-op when replicated."""
@@ -136,13 +137,21 @@ class FlatParamBuffer:
         """Names of parameters whose storage is no longer this buffer (see [Note: binding])."""
         if not self.replicated and not self.unsharded:
             nan_ptr = self._placeholders[0].data_ptr() if self._placeholders else 0
-            return [n for n, p in zip(self.names, self.params) if p.data_ptr() != nan_ptr or p.dtype != self.data.dtype]
+            return [
+                n
+                for n, p in zip(self.names, self.params)
+                if p.data_ptr() != nan_ptr or p.dtype != self.data.dtype
+            ]
         base = self.data.data_ptr()
         size = self.data.element_size()
         out = []
         for i, p in enumerate(self.params):
             start, _ = self.layout.param_range(i)
-            if p.dtype != self.data.dtype or p.device != self.data.device or p.data_ptr() != base + start * size:
+            if (
+                p.dtype != self.data.dtype
+                or p.device != self.data.device
+                or p.data_ptr() != base + start * size
+            ):
                 out.append(self.names[i])
         return out
 

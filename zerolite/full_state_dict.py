@@ -18,7 +18,9 @@ __all__ = ["full_state_dict"]
 
 
 @torch.no_grad()
-def full_state_dict(model: nn.Module, rank0_only: bool = True, to_cpu: bool = True) -> dict[str, torch.Tensor]:
+def full_state_dict(
+    model: nn.Module, rank0_only: bool = True, to_cpu: bool = True
+) -> dict[str, torch.Tensor]:
     """The model's full state dict (names and shapes of the unsharded ``model.state_dict()``).
 
     Every rank must call it (stage 3 all-gathers each unit in turn, so the device holds

@@ -45,10 +45,13 @@ def gathered_parameters(model: nn.Module, modifier_rank: int | None = None) -> I
         raise ValueError("gathered_parameters() needs a model sharded by zerolite.shard()")
     world = opt.group.size
     if modifier_rank is not None and (
-        isinstance(modifier_rank, bool) or not isinstance(modifier_rank, int) or not 0 <= modifier_rank < world
+        isinstance(modifier_rank, bool)
+        or not isinstance(modifier_rank, int)
+        or not 0 <= modifier_rank < world
     ):
         raise ValueError(
-            f"gathered_parameters(): modifier_rank must be None or a rank in [0, {world}), got {modifier_rank!r}"
+            f"gathered_parameters(): modifier_rank must be None or a rank in [0, {world}), got "
+            f"{modifier_rank!r}"
         )
     scheduler: UnitScheduler | None = getattr(model, UNITS_ATTR, None)
     was_gathered = []
@@ -69,7 +72,12 @@ def gathered_parameters(model: nn.Module, modifier_rank: int | None = None) -> I
         if modifier_rank is not None:
             masters = {id(m.flat): m for m in opt.masters}
             for flat in [*opt.flats, *opt.frozen_flats]:
-                broadcast(flat.data, modifier_rank, opt.group, what="gathered_parameters()'s broadcast of the edits")
+                broadcast(
+                    flat.data,
+                    modifier_rank,
+                    opt.group,
+                    what="gathered_parameters()'s broadcast of the edits",
+                )
                 lo, hi = flat.layout.shard_range(flat.rank)
                 if not flat.replicated:
                     flat.shard.copy_(flat.data[lo:hi])
@@ -83,7 +91,9 @@ def gathered_parameters(model: nn.Module, modifier_rank: int | None = None) -> I
 
 
 @torch.no_grad()
-def iter_full_state_dict(model: nn.Module, to_cpu: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_full_state_dict(
+    model: nn.Module, to_cpu: bool = True
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(name, tensor)`` of the full state dict, gathering one unit at a time.
 
     All ranks must iterate to the end together (each unit is an all-gather). Tensors are

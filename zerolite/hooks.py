@@ -158,7 +158,11 @@ class ShardGradsInBackward(_GradHooks):
             hooks = owner()
             if hooks is None or not torch.is_grad_enabled() or _inside_backward():
                 return
-            tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+            tensors = [
+                t
+                for t in tree_flatten(output)[0]
+                if isinstance(t, torch.Tensor) and t.requires_grad
+            ]
             if tensors:
                 torch.autograd.graph.register_multi_grad_hook(
                     tensors, lambda grads: hooks._backward_started(), mode="any"

@@ -64,8 +64,13 @@ from zerolite.config import ZeroConfig
 from zerolite.flat_buffer import FlatParamBuffer
 
 __all__ = [
-    "MetaBuild", "check_before_first_forward", "check_meta_build", "check_nothing_on_meta", "mark_loaded",
-    "materialize_device", "materialize",
+    "MetaBuild",
+    "check_before_first_forward",
+    "check_meta_build",
+    "check_nothing_on_meta",
+    "mark_loaded",
+    "materialize_device",
+    "materialize",
 ]
 
 PENDING_ATTR = "_zerolite_meta_build"  # the model's MetaBuild, until its first forward passes
@@ -89,10 +94,11 @@ class MetaBuild:
             names = sorted(self.uninitialised)
             raise RuntimeError(
                 f"{len(names)} tensors of this model were built on the meta device and nothing "
-                f"initialised them (their modules have no reset_parameters() and ZeroConfig.init_fn "
-                f"did not set them): {names[:8]}{' ...' if len(names) > 8 else ''}. Load them before "
-                "the first forward with zerolite.checkpoint.load_pretrained(model, files) (or "
-                "zerolite.checkpoint.load), or pass ZeroConfig(init_fn=...) that initialises them."
+                f"initialised them (their modules have no reset_parameters() and "
+                f"ZeroConfig.init_fn did not set them): "
+                f"{names[:8]}{' ...' if len(names) > 8 else ''}. Load them before the first "
+                f"forward with zerolite.checkpoint.load_pretrained(model, files) (or "
+                f"zerolite.checkpoint.load), or pass ZeroConfig(init_fn=...) that initialises them."
             )
         if left_on_meta:
             raise RuntimeError(
@@ -124,17 +130,22 @@ def materialize_device(config: ZeroConfig) -> torch.device:
     return torch.device("cpu")
 
 
-def check_meta_build(model: nn.Module, optimizer: torch.optim.Optimizer, config: ZeroConfig) -> None:
+def check_meta_build(
+    model: nn.Module, optimizer: torch.optim.Optimizer, config: ZeroConfig
+) -> None:
     """`shard()`'s validation of a meta build, before anything changes."""
     for name, p in model.named_parameters():
         if p.is_meta and (weakref.getweakrefs(p) or p._use_count() > 1):
             raise ValueError(
-                f"meta parameter {name!r} is referenced elsewhere (a view of it, an autograd graph or a "
-                "weak reference), so zerolite cannot give it storage in place; pass the model to "
-                "shard() as built, before running it or taking views of its parameters"
+                f"meta parameter {name!r} is referenced elsewhere (a view of it, an autograd graph "
+                f"or a weak reference), so zerolite cannot give it storage in place; pass the "
+                f"model to shard() as built, before running it or taking views of its parameters"
             )
     if config.device is not None and config.device.type == "meta":
-        raise ValueError("ZeroConfig.device is 'meta'; name the device to materialise the model on, e.g. 'cpu' or 'cuda'")
+        raise ValueError(
+            "ZeroConfig.device is 'meta'; name the device to materialise the model on, e.g. 'cpu' "
+            "or 'cuda'"
+        )
     if any(optimizer.state.get(p) for group in optimizer.param_groups for p in group["params"]):
         raise ValueError(
             "the optimizer has state for parameters on the meta device (it has stepped on a meta "
@@ -148,9 +159,9 @@ def check_nothing_on_meta(model: nn.Module, device: torch.device) -> None:
         for name, t in named:
             if t.is_meta:
                 raise ValueError(
-                    f"{kind} {name!r} is on the meta device while the trained parameters are on {device}; "
-                    "build the whole model under torch.device('meta') (shard() then materialises it) "
-                    "or give it storage before shard()"
+                    f"{kind} {name!r} is on the meta device while the trained parameters are on "
+                    f"{device}; build the whole model under torch.device('meta') (shard() then "
+                    f"materialises it) or give it storage before shard()"
                 )
 
 
@@ -158,10 +169,15 @@ def check_nothing_on_meta(model: nn.Module, device: torch.device) -> None:
 def _rank0_generators(device: torch.device, group: Group) -> Iterator[None]:
     """Draw from rank 0's generator states; afterwards rank 0 keeps the advanced states."""
     cuda = [device] if device.type == "cuda" else []
-    states = [torch.get_rng_state()] + [torch.cuda.get_rng_state(d) for d in cuda]  # uint8, same sizes on every rank
+    # uint8, same sizes on every rank
+    states = [torch.get_rng_state()] + [torch.cuda.get_rng_state(d) for d in cuda]
     packed = torch.cat(states)
     # NCCL broadcasts CUDA tensors only.
-    wire = packed.to(torch.device("cuda", torch.cuda.current_device())) if group.backend == "nccl" else packed
+    wire = (
+        packed.to(torch.device("cuda", torch.cuda.current_device()))
+        if group.backend == "nccl"
+        else packed
+    )
     broadcast(wire, 0, group, what="shard()'s broadcast of rank 0's generator states")
     rank0 = wire.cpu().split([s.numel() for s in states])
     with torch.random.fork_rng(devices=cuda):
@@ -176,7 +192,9 @@ def _rank0_generators(device: torch.device, group: Group) -> Iterator[None]:
             torch.cuda.set_rng_state(state, d)
 
 
-def _post_order(module: nn.Module, prefix: str = "", seen: set[int] | None = None) -> Iterator[tuple[str, nn.Module]]:
+def _post_order(
+    module: nn.Module, prefix: str = "", seen: set[int] | None = None
+) -> Iterator[tuple[str, nn.Module]]:
     seen = set() if seen is None else seen
     if id(module) in seen:
         return
@@ -198,7 +216,9 @@ def _swap_in_placeholders(model: nn.Module, device: torch.device) -> list[nn.Par
     for p in model.parameters():
         if not p.is_meta:
             continue
-        fill = torch.full((1,), float("nan") if p.is_floating_point() else 0, dtype=p.dtype, device=device)
+        fill = torch.full(
+            (1,), float("nan") if p.is_floating_point() else 0, dtype=p.dtype, device=device
+        )
         placeholder = nn.Parameter(fill.expand(p.shape), requires_grad=p.requires_grad)
         placeholder.__dict__.update(p.__dict__)
         torch.utils.swap_tensors(p, placeholder)  # check_meta_build made sure it can
@@ -287,9 +307,13 @@ def materialize(
         if shard:
             flat.shard_only()
             sealed.append(flat)
-        phases.sample(sum(
-            f.data.untyped_storage().nbytes() + (0 if f.replicated else f.shard.nbytes) for f in flats if f is not None
-        ))
+        phases.sample(
+            sum(
+                f.data.untyped_storage().nbytes() + (0 if f.replicated else f.shard.nbytes)
+                for f in flats
+                if f is not None
+            )
+        )
 
     swapped = _swap_in_placeholders(model, device)
     whole = {id(p) for p in swapped if id(p) not in bucket_of}  # not sharded: full on every rank
@@ -314,13 +338,19 @@ def materialize(
                     module._buffers[key] = made_buffers[id(b)]
             # A tied parameter keeps the values of its first holder; later holders draw
             # into a scratch copy, as their construction did before the tie was made.
-            tied = {key: p for key, p in module._parameters.items() if p is not None and id(p) in held}
+            tied = {
+                key: p for key, p in module._parameters.items() if p is not None and id(p) in held
+            }
             for key, p in tied.items():
-                module._parameters[key] = nn.Parameter(_nan_like(p, device), requires_grad=p.requires_grad)
+                module._parameters[key] = nn.Parameter(
+                    _nan_like(p, device), requires_grad=p.requires_grad
+                )
             if _initialise(name, module, init_fn):
                 initialised_modules.add(id(module))
             if any(flat.placeholder_written() for flat in sealed):
-                raise _init_error(name, module, init_fn, "it wrote a parameter of a unit already sharded")
+                raise _init_error(
+                    name, module, init_fn, "it wrote a parameter of a unit already sharded"
+                )
             module._parameters.update(tied)
             held.update(id(p) for p in module._parameters.values() if p is not None)
             for i in closed_by.get(id(module), []):
@@ -328,7 +358,9 @@ def materialize(
         for i in range(len(buckets)):
             if i not in closed:
                 close_bucket(i)
-    _check_unsharded(model, bucket_of, made_buffers, buffer_owner, initialised_modules, uninitialised)
+    _check_unsharded(
+        model, bucket_of, made_buffers, buffer_owner, initialised_modules, uninitialised
+    )
     setattr(model, PENDING_ATTR, MetaBuild(uninitialised))
     return [f for f in flats if f is not None]
 
@@ -341,7 +373,9 @@ def check_before_first_forward(model: nn.Module) -> None:
     """
     build: MetaBuild | None = getattr(model, PENDING_ATTR, None)
     if build is not None:
-        build.handle = model.register_forward_pre_hook(lambda module, args: build.check(module), prepend=True)
+        build.handle = model.register_forward_pre_hook(
+            lambda module, args: build.check(module), prepend=True
+        )
 
 
 def _check_unsharded(
@@ -361,7 +395,11 @@ def _check_unsharded(
         for key, b in list(module._buffers.items()):
             if b is None or id(b) not in made:
                 continue
-            blank = b.isnan().any() if b.is_floating_point() else buffer_owner[id(b)] not in initialised_modules
+            blank = (
+                b.isnan().any()
+                if b.is_floating_point()
+                else buffer_owner[id(b)] not in initialised_modules
+            )
             if not blank:
                 continue
             if key in module._non_persistent_buffers_set:

@@ -24,7 +24,9 @@ from zerolite.grad_reducer import GradReducer
 __all__ = ["guard_conversions", "install_no_sync"]
 
 
-def guard_conversions(model: nn.Module, managed: dict[int, tuple[torch.dtype, torch.device]]) -> None:
+def guard_conversions(
+    model: nn.Module, managed: dict[int, tuple[torch.dtype, torch.device]]
+) -> None:
     """Refuse conversions that would give a managed parameter new storage.
 
     Every module with a managed parameter in its subtree is guarded, and each guard
@@ -44,7 +46,9 @@ def guard_conversions(model: nn.Module, managed: dict[int, tuple[torch.dtype, to
 def _guard(module: nn.Module, managed: dict[int, tuple[torch.dtype, torch.device]]) -> None:
     original = module._apply
 
-    def _apply(self: nn.Module, fn: Callable[[torch.Tensor], torch.Tensor], *args: Any, **kwargs: Any) -> nn.Module:
+    def _apply(
+        self: nn.Module, fn: Callable[[torch.Tensor], torch.Tensor], *args: Any, **kwargs: Any
+    ) -> nn.Module:
         # Probe the conversion on an empty tensor of each managed parameter's kind: cheap,
         # and it decides before the real conversion touches anything. A conversion that
         # keeps the tensor returns the very same object.
@@ -56,11 +60,12 @@ def _guard(module: nn.Module, managed: dict[int, tuple[torch.dtype, torch.device
             out = fn(probe)
             if out is not probe:
                 raise RuntimeError(
-                    f"parameter {name!r} of {type(self).__name__} is sharded by zerolite and cannot be "
-                    f"converted after zerolite.shard() (it is {dtype} on {device}; the conversion "
-                    f"gives {out.dtype} on {out.device} in new storage, detaching it from zerolite's flat "
-                    "buffers). Move or cast the model before shard(), or choose the compute dtype with "
-                    "ZeroConfig(param_dtype=...). Nothing was converted."
+                    f"parameter {name!r} of {type(self).__name__} is sharded by zerolite and "
+                    f"cannot be converted after zerolite.shard() (it is {dtype} on {device}; the "
+                    f"conversion gives {out.dtype} on {out.device} in new storage, detaching it "
+                    f"from zerolite's flat buffers). Move or cast the model before shard(), or "
+                    f"choose the compute dtype with ZeroConfig(param_dtype=...). Nothing was "
+                    f"converted."
                 )
         return original(fn, *args, **kwargs)
 

@@ -92,7 +92,9 @@ class UnitScheduler:
         self.allow_state_dict = False
         for i, module in enumerate(modules):
             if i == self.root:
-                self._handles.append(module.register_forward_pre_hook(self._root_pre_forward, prepend=True))
+                self._handles.append(
+                    module.register_forward_pre_hook(self._root_pre_forward, prepend=True)
+                )
                 self._handles.append(module.register_forward_hook(self._root_post_forward))
             else:
                 self._handles.append(module.register_forward_pre_hook(self._make_pre_forward(i)))
@@ -190,7 +192,9 @@ class UnitScheduler:
 
     # -- backward ----------------------------------------------------------------------
     def _arm_backward(self, i: int, output: Any) -> None:
-        tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+        tensors = [
+            t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad
+        ]
         if tensors:
             # Never traced: under a compiled backward dynamo would recompile per unit index.
             hook = not_compiled(lambda grads: self._pre_backward(i))
@@ -238,8 +242,8 @@ class UnitScheduler:
         # reshard_after_forward=False) would lose the values at their next reshard.
         if not self.pinned:
             raise RuntimeError(
-                "model.load_state_dict() on a stage-3 model would copy into parameters whose storage "
-                "is freed (each rank holds only its shard). On every rank, load inside "
+                "model.load_state_dict() on a stage-3 model would copy into parameters whose "
+                "storage is freed (each rank holds only its shard). On every rank, load inside "
                 "`with zerolite.gathered_parameters(model, modifier_rank=0):` (rank 0's values are "
                 "kept), or use zerolite.checkpoint.load_pretrained / zerolite.checkpoint.load."
             )

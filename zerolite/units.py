@@ -26,14 +26,17 @@ class Unit:
     name: str
     module: nn.Module
     params: list[tuple[str, nn.Parameter]]  # trainable: flat buffer with master and gradient bucket
-    frozen: list[tuple[str, nn.Parameter]] = dataclasses.field(default_factory=list)  # sharded, no grads
+    # sharded, no grads
+    frozen: list[tuple[str, nn.Parameter]] = dataclasses.field(default_factory=list)
 
 
 def _is_unit_factory(
     model: nn.Module, unit_modules: tuple[type[nn.Module], ...] | Callable[[nn.Module], bool] | None
 ) -> Callable[[nn.Module], bool]:
     if unit_modules is None:
-        in_lists = {id(child) for m in model.modules() if isinstance(m, nn.ModuleList) for child in m}
+        in_lists = {
+            id(child) for m in model.modules() if isinstance(m, nn.ModuleList) for child in m
+        }
         return lambda module: id(module) in in_lists
     if isinstance(unit_modules, tuple):
         classes = unit_modules

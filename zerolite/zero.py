@@ -66,9 +66,11 @@ class _Plan:
     device: torch.device
     buckets: list[list[tuple[str, nn.Parameter]]]  # per flat buffer: (name, param), buffer order
     group_of: dict[int, int]  # id(param) -> index of its optimizer param group
-    frozen: list[tuple[int, nn.Parameter]]  # (group index, param) held by the optimizer, not trainable
+    # (group index, param) held by the optimizer, not trainable
+    frozen: list[tuple[int, nn.Parameter]]
     units: list[Unit] | None = None  # stage 3: the units, root last
-    frozen_buckets: list[list[tuple[str, nn.Parameter]]] = dataclasses.field(default_factory=list)  # stage 3
+    # stage 3
+    frozen_buckets: list[list[tuple[str, nn.Parameter]]] = dataclasses.field(default_factory=list)
     on_meta: bool = False  # built under torch.device("meta"): materialised by zerolite.meta_init
 
     @property
@@ -80,9 +82,13 @@ class _Plan:
     def unit_buffers(self) -> list[list[int]]:
         """Stage 3: each unit's buffer indices (trained, then frozen), root last."""
         index_of = {id(bucket[0][1]): i for i, bucket in enumerate(self.all_buckets)}
-        return [[index_of[id(ps[0][1])] for ps in (u.params, u.frozen) if ps] for u in self.units or []]
+        return [
+            [index_of[id(ps[0][1])] for ps in (u.params, u.frozen) if ps] for u in self.units or []
+        ]
 
-    def describe(self, config: ZeroConfig, optimizer: torch.optim.Optimizer, model: nn.Module) -> list[str]:
+    def describe(
+        self, config: ZeroConfig, optimizer: torch.optim.Optimizer, model: nn.Module
+    ) -> list[str]:
         """One line per fact every rank must agree on: the config, the optimizer and its
         groups, every parameter (sharded or not) and every buffer, the flat buffers, the units."""
         lines = [
@@ -92,7 +98,10 @@ class _Plan:
         ]
         if self.on_meta:
             init_fn = config.init_fn
-            lines.append(f"meta build on {self.device.type}: init_fn={getattr(init_fn, '__qualname__', init_fn)!r}")
+            lines.append(
+                f"meta build on {self.device.type}: "
+                f"init_fn={getattr(init_fn, '__qualname__', init_fn)!r}"
+            )
         for g, group in enumerate(optimizer.param_groups):
             hyper = {k: v for k, v in group.items() if k != "params"}
             lines.append(f"group {g}: {sorted((k, repr(v)) for k, v in hyper.items())}")
@@ -108,12 +117,17 @@ class _Plan:
             for key, buf in module._buffers.items():
                 if buf is not None:
                     persistent = key not in module._non_persistent_buffers_set
-                    lines.append(f"module buffer {prefix + '.' if prefix else ''}{key}: shape={tuple(buf.shape)} "
-                                 f"dtype={buf.dtype} persistent={persistent}")
+                    lines.append(
+                        f"module buffer {prefix + '.' if prefix else ''}{key}: "
+                        f"shape={tuple(buf.shape)} dtype={buf.dtype} persistent={persistent}"
+                    )
         for b, bucket in enumerate(self.buckets):
             lines.append(f"buffer {b}: params {[n for n, _ in bucket]}")
         for unit in self.units or []:
-            lines.append(f"unit {unit.name!r}: {type(unit.module).__name__}, frozen {[n for n, _ in unit.frozen]}")
+            lines.append(
+                f"unit {unit.name!r}: {type(unit.module).__name__}, frozen "
+                f"{[n for n, _ in unit.frozen]}"
+            )
             lines += [f"frozen {n}: shape={tuple(p.shape)}" for n, p in unit.frozen]
         return lines
 
@@ -184,8 +198,8 @@ def plan_layout(model: nn.Module, optimizer: torch.optim.Optimizer, config: Zero
         raise TypeError("this optimizer is already a ShardedOptimizer; call shard() once per model")
     if getattr(model, _SHARDED_ATTR, False):
         raise RuntimeError(
-            "this model was already sharded by zerolite.shard(); shard() may be called once per model "
-            "(build a new model and optimizer to shard again)"
+            "this model was already sharded by zerolite.shard(); shard() may be called once per "
+            "model (build a new model and optimizer to shard again)"
         )
     check_optimizer(optimizer, config.elementwise_optimizers)
     policy = STAGES[config.stage]
@@ -206,16 +220,23 @@ def plan_layout(model: nn.Module, optimizer: torch.optim.Optimizer, config: Zero
                     "optimizer from this model's parameters"
                 )
             if id(p) in group_of:
-                raise ValueError(f"{where} ({names[id(p)]!r}) appears in more than one place in the optimizer")
+                raise ValueError(
+                    f"{where} ({names[id(p)]!r}) appears in more than one place in the optimizer"
+                )
             if not p.is_floating_point():
-                raise ValueError(f"{where} ({names[id(p)]!r}) has dtype {p.dtype}; only floating parameters can be sharded")
+                raise ValueError(
+                    f"{where} ({names[id(p)]!r}) has dtype {p.dtype}; only floating parameters "
+                    f"can be sharded"
+                )
             if p.requires_grad:
                 group_of[id(p)] = g
             else:
                 frozen.append((g, p))
     managed = [(n, p) for n, p in model.named_parameters() if id(p) in group_of]
     if not managed:
-        raise ValueError("the optimizer holds no trainable parameter of the model; nothing to shard")
+        raise ValueError(
+            "the optimizer holds no trainable parameter of the model; nothing to shard"
+        )
     _refuse_sparse_gradients(model, group_of)
     devices = {p.device for _, p in managed}
     if len(devices) > 1:
@@ -240,10 +261,19 @@ def plan_layout(model: nn.Module, optimizer: torch.optim.Optimizer, config: Zero
         # reverse, then the root (its embedding's gradient is the last to arrive). Frozen
         # parameters are sharded too (a frozen base model is not replicated), in a
         # second buffer per unit without master or gradients.
-        frozen_params = [(n, p) for n, p in model.named_parameters() if not p.requires_grad and p.is_floating_point()]
+        frozen_params = [
+            (n, p)
+            for n, p in model.named_parameters()
+            if not p.requires_grad and p.is_floating_point()
+        ]
         if any(p.device != source for _, p in frozen_params):
-            raise ValueError("frozen parameters are on another device than the trained ones; move the whole model first")
-        units = find_units(model, {id(p): n for n, p in [*managed, *frozen_params]}, config.unit_modules)
+            raise ValueError(
+                "frozen parameters are on another device than the trained ones; move the whole "
+                "model first"
+            )
+        units = find_units(
+            model, {id(p): n for n, p in [*managed, *frozen_params]}, config.unit_modules
+        )
         ordered_units = [*reversed(units[:-1]), units[-1]]
         buckets = [u.params for u in ordered_units if u.params]
         return _Plan(device=device, buckets=buckets, group_of=group_of, frozen=frozen, units=units,
@@ -283,7 +313,12 @@ def _build(
         # Every rank starts from rank 0's values, as with DDP.
         all_flats = [make_flat(index) for index in range(len(all_buckets))]
         for flat in all_flats:
-            broadcast(flat.data, 0, group, what=f"shard()'s broadcast of rank 0's flat buffer {flat.index}")
+            broadcast(
+                flat.data,
+                0,
+                group,
+                what=f"shard()'s broadcast of rank 0's flat buffer {flat.index}",
+            )
         if policy.shards_parameters:
             for flat in all_flats:
                 flat.shard_only()
@@ -321,7 +356,12 @@ def _build(
     # torch.compile: zerolite's hooks are graph breaks, never traced (see compile_guard).
     exclude_from_compile([*grads._handles, *(scheduler._handles if scheduler is not None else [])])
     guard_conversions(
-        model, {id(p): (flat.data.dtype, flat.data.device) for flat in [*flats, *frozen_flats] for p in flat.params}
+        model,
+        {
+            id(p): (flat.data.dtype, flat.data.device)
+            for flat in [*flats, *frozen_flats]
+            for p in flat.params
+        },
     )
     install_no_sync(model, reducer)
     check_before_first_forward(model)
@@ -343,15 +383,24 @@ def _build(
     numel = sum(flat.numel for flat in flats)
     if group.rank == 0:
         logger.info(
-            "zerolite: stage %d sharded %d parameters (%d elements) into %d flat buffers across %d ranks",
-            config.stage, sum(len(f.params) for f in flats), numel, len(flats), group.size,
+            "zerolite: stage %d sharded %d parameters (%d elements) into %d flat buffers across "
+            "%d ranks",
+            config.stage,
+            sum(len(f.params) for f in flats),
+            numel,
+            len(flats),
+            group.size,
         )
     return sharded
 
 
 @torch.no_grad()
 def _bound_flat(
-    bucket: list[tuple[str, nn.Parameter]], index: int, group: Group, config: ZeroConfig, device: torch.device
+    bucket: list[tuple[str, nn.Parameter]],
+    index: int,
+    group: Group,
+    config: ZeroConfig,
+    device: torch.device,
 ) -> FlatParamBuffer:
     """A flat buffer holding ``bucket``'s parameters, bound to them (their values copied in)."""
     flat = FlatParamBuffer(
@@ -383,7 +432,9 @@ def _schedule_units(
         prefetch=config.prefetch,
         reshard_after_forward=config.reshard_after_forward,
     )
-    unit_of_bucket = {flat.index: i for i, fs in enumerate(unit_flats) for flat in fs if flat in flats}
+    unit_of_bucket = {
+        flat.index: i for i, fs in enumerate(unit_flats) for flat in fs if flat in flats
+    }
     grads.on_bucket_complete = lambda b: scheduler.on_unit_gradients_ready(unit_of_bucket[b])
     # Both run from autograd callbacks, inside a compiled frame when a compiled function
     # calls backward; they must not be traced (see zerolite.compile_guard).
@@ -393,7 +444,10 @@ def _schedule_units(
 
 @torch.no_grad()
 def _repoint_optimizer(
-    optimizer: torch.optim.Optimizer, plan: _Plan, flats: list[FlatParamBuffer], masters: list[MasterShard]
+    optimizer: torch.optim.Optimizer,
+    plan: _Plan,
+    flats: list[FlatParamBuffer],
+    masters: list[MasterShard],
 ) -> None:
     """Replace each group's ``"params"`` by this rank's master pieces; re-shard state."""
     new_params: list[list[torch.Tensor]] = [[] for _ in optimizer.param_groups]

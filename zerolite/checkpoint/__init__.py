@@ -16,4 +16,13 @@ from zerolite.checkpoint.load import load
 from zerolite.checkpoint.pretrained import load_pretrained
 from zerolite.checkpoint.save import latest, save
 
-__all__ = ["CheckpointError", "consolidate", "inspect", "latest", "load", "load_pretrained", "save", "verify"]
+__all__ = [
+    "CheckpointError",
+    "consolidate",
+    "inspect",
+    "latest",
+    "load",
+    "load_pretrained",
+    "save",
+    "verify",
+]

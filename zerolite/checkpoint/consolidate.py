@@ -88,7 +88,9 @@ def _aliases(index: dict[str, Any]) -> dict[str, str]:
     return {**index.get("tied", {}), **trained}
 
 
-def _entries(path: Path, index: dict[str, Any], dtype: torch.dtype | None) -> list[tuple[str, list[int], torch.dtype, str]]:
+def _entries(
+    path: Path, index: dict[str, Any], dtype: torch.dtype | None
+) -> list[tuple[str, list[int], torch.dtype, str]]:
     """(name, shape, output dtype, kind) in state-dict order; kind is 'param', 'frozen' or
     'model'. A tied name gets its first name's entry (its data is read from there)."""
     params = {p["name"]: p for p in index["params"]}
@@ -122,10 +124,17 @@ def _from_safetensors(code: str) -> torch.dtype:
     raise CheckpointError(f"unsupported safetensors dtype {code}")
 
 
-def _read_param(path: Path, index: dict[str, Any], name: str, numel: int, kind: str = "param") -> torch.Tensor:
+def _read_param(
+    path: Path, index: dict[str, Any], name: str, numel: int, kind: str = "param"
+) -> torch.Tensor:
     """A parameter assembled from its ranges: fp32 master pieces, or frozen pieces (stage 3)."""
     field, key_of = ("pieces", master_key) if kind == "param" else ("frozen_pieces", frozen_key)
-    ranges = sorted((s, e, entry["file"]) for entry in index["files"] for n, s, e in entry.get(field, []) if n == name)
+    ranges = sorted(
+        (s, e, entry["file"])
+        for entry in index["files"]
+        for n, s, e in entry.get(field, [])
+        if n == name
+    )
     full: torch.Tensor | None = None
     covered = 0
     for s, e, file in ranges:
@@ -136,7 +145,9 @@ def _read_param(path: Path, index: dict[str, Any], name: str, numel: int, kind: 
         full[s:e] = part
         covered += e - s
     if covered != numel or full is None:
-        raise CheckpointError(f"parameter {name!r}: the shard files cover {covered} of {numel} elements")
+        raise CheckpointError(
+            f"parameter {name!r}: the shard files cover {covered} of {numel} elements"
+        )
     return full
 
 
@@ -175,7 +186,11 @@ def consolidate(
     offset = 0
     for name, shape, out_dtype, _ in entries:
         size = _numel(shape) * torch.empty(0, dtype=out_dtype).element_size()
-        header[name] = {"dtype": _SAFETENSORS_DTYPE[out_dtype], "shape": shape, "data_offsets": [offset, offset + size]}
+        header[name] = {
+            "dtype": _SAFETENSORS_DTYPE[out_dtype],
+            "shape": shape,
+            "data_offsets": [offset, offset + size],
+        }
         offset += size
     aliases = _aliases(index)
     header["__metadata__"] = {"format": "pt", "aliases": json.dumps(aliases)}

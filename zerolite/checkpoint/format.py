@@ -128,7 +128,9 @@ def check_file(path: Path, entry: dict[str, Any]) -> None:
         raise CheckpointError(f"{file}: missing shard file (rank {entry['rank']} of the save)")
     size, sha = file_digest(file)
     if size != entry["bytes"]:
-        raise CheckpointError(f"{file}: {size} bytes, the index says {entry['bytes']} (truncated or replaced)")
+        raise CheckpointError(
+            f"{file}: {size} bytes, the index says {entry['bytes']} (truncated or replaced)"
+        )
     if sha != entry["sha256"]:
         raise CheckpointError(f"{file}: sha256 mismatch (corrupt)")
 
@@ -153,7 +155,9 @@ def read_index(path: str | os.PathLike) -> dict[str, Any]:
     index_path = Path(path) / INDEX
     digest_path = Path(path) / INDEX_DIGEST
     if not index_path.is_file():
-        raise CheckpointError(f"{path}: not a zerolite checkpoint (no {INDEX}); was the save interrupted?")
+        raise CheckpointError(
+            f"{path}: not a zerolite checkpoint (no {INDEX}); was the save interrupted?"
+        )
     if not digest_path.is_file():
         raise CheckpointError(
             f"{path}: no {INDEX_DIGEST} (the index's checksum), so the index cannot be trusted; "

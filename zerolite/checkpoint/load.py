@@ -61,18 +61,24 @@ def _check_model(index: dict[str, Any], opt: ShardedOptimizer) -> None:
     unexpected = sorted(set(saved) - set(current))
     if missing or unexpected:
         raise CheckpointError(
-            f"checkpoint parameters do not match the model: missing from the checkpoint {missing[:5]}, "
-            f"not in the model {unexpected[:5]}"
+            f"checkpoint parameters do not match the model: missing from the checkpoint "
+            f"{missing[:5]}, not in the model {unexpected[:5]}"
         )
     for name, shape in current.items():
         if list(shape) != saved[name]["shape"]:
-            raise CheckpointError(f"parameter {name!r}: checkpoint shape {saved[name]['shape']}, model shape {list(shape)}")
+            raise CheckpointError(
+                f"parameter {name!r}: checkpoint shape {saved[name]['shape']}, model shape "
+                f"{list(shape)}"
+            )
     cls = f"{type(opt.optimizer).__module__}.{type(opt.optimizer).__qualname__}"
     if index["optimizer"]["class"] != cls:
-        raise CheckpointError(f"checkpoint was saved with optimizer {index['optimizer']['class']}, this one is {cls}")
+        raise CheckpointError(
+            f"checkpoint was saved with optimizer {index['optimizer']['class']}, this one is {cls}"
+        )
     if len(index["optimizer"]["param_groups"]) != len(opt.param_groups):
         raise CheckpointError(
-            f"checkpoint has {len(index['optimizer']['param_groups'])} param groups, the optimizer {len(opt.param_groups)}"
+            f"checkpoint has {len(index['optimizer']['param_groups'])} param groups, the "
+            f"optimizer {len(opt.param_groups)}"
         )
 
 
@@ -99,8 +105,11 @@ class _RangeReader:
             for name, start, end in entry.get(field, []):
                 self.ranges[name].append((entry["file"], start, end))
 
-    def read(self, key_of: Any, name: str, start: int, end: int, scalar: bool = False) -> torch.Tensor:
-        """Elements [start, end) of ``name``'s tensor ``key_of(name, s, e)``; 0-dim if ``scalar``."""
+    def read(
+        self, key_of: Any, name: str, start: int, end: int, scalar: bool = False
+    ) -> torch.Tensor:
+        """Elements [start, end) of ``name``'s tensor ``key_of(name, s, e)``; 0-dim if
+        ``scalar``."""
         # Every returned tensor is a copy in its own storage: a safetensors slice is a view
         # of the whole saved tensor (mapped from the file), which optimizer state would
         # otherwise keep alive -- the saved shard's size, not this rank's piece.
@@ -122,11 +131,15 @@ class _RangeReader:
                 parts.append(f.get_slice(key)[lo - s : hi - s].clone())
             covered = hi
         if covered != end or not parts:
-            raise CheckpointError(f"parameter {name!r}: elements [{covered}, {end}) are in no shard file")
+            raise CheckpointError(
+                f"parameter {name!r}: elements [{covered}, {end}) are in no shard file"
+            )
         return torch.cat(parts) if len(parts) > 1 else parts[0]
 
 
-def _read_rank_state(path: Path, index: dict[str, Any], opt: ShardedOptimizer) -> list[tuple[torch.Tensor, torch.Tensor, dict]]:
+def _read_rank_state(
+    path: Path, index: dict[str, Any], opt: ShardedOptimizer
+) -> list[tuple[torch.Tensor, torch.Tensor, dict]]:
     """Per master piece of this rank: (piece tensor, fp32 values, optimizer state)."""
     reader = _RangeReader(path, index)
     keys = _state_keys(path, index)
@@ -138,7 +151,9 @@ def _read_rank_state(path: Path, index: dict[str, Any], opt: ShardedOptimizer) -
             values = reader.read(master_key, name, s, e).float()
             state = {}
             for key, scalar in keys.get(name, {}).items():
-                state[key] = reader.read(lambda n, a, b, k=key: state_key(k, n, a, b), name, s, e, scalar=scalar)
+                state[key] = reader.read(
+                    lambda n, a, b, k=key: state_key(k, n, a, b), name, s, e, scalar=scalar
+                )
             out.append((tensor, values, state))
     return out
 
@@ -198,7 +213,8 @@ def load(
     Every rank must call. Works at any world size, stage and bucket size relative to
     the save. RNG states (CPU, and CUDA where the save had it and CUDA is available)
     are restored per rank when the world size is unchanged; otherwise every rank reseeds
-    CPU and CUDA deterministically from the saved rank-0 state and its new rank. Loaded optimizer state is held in its own storage, exactly as a fresh
+    CPU and CUDA deterministically from the saved rank-0 state and its new rank. Loaded
+    optimizer state is held in its own storage, exactly as a fresh
     shard's (nothing of the saved files stays referenced).
 
     Args:
@@ -242,7 +258,9 @@ def _read_checked_index(path: Path, rank: int, world_size: int) -> dict[str, Any
     return index
 
 
-def _load(path: Path, model: nn.Module, optimizer: ShardedOptimizer, schedulers: Sequence[Any]) -> Any:
+def _load(
+    path: Path, model: nn.Module, optimizer: ShardedOptimizer, schedulers: Sequence[Any]
+) -> Any:
     group = optimizer.group
     # A peer's failure is raised as CheckpointError here too (the documented type).
     with agreed("zerolite.checkpoint.load() (verifying files)", group, peer_error=CheckpointError):
@@ -290,7 +308,8 @@ def _load(path: Path, model: nn.Module, optimizer: ShardedOptimizer, schedulers:
                 tensor = source.read(name)
                 if tensor.shape != target.shape:
                     raise CheckpointError(
-                        f"{name!r}: checkpoint shape {list(tensor.shape)}, model {list(target.shape)}"
+                        f"{name!r}: checkpoint shape {list(tensor.shape)}, model "
+                        f"{list(target.shape)}"
                     )
                 model_tensors[name] = tensor
             for flat in optimizer.frozen_flats:  # stage 3: this rank's ranges of frozen parameters

@@ -159,12 +159,16 @@ def load_pretrained(
     """
     opt = getattr(model, SHARDED_OPTIMIZER_ATTR, None)
     if opt is None:
-        raise ValueError("load_pretrained() needs a model sharded by zerolite.shard(); call shard() first")
+        raise ValueError(
+            "load_pretrained() needs a model sharded by zerolite.shard(); call shard() first"
+        )
     with phases.phase("load"):
         _load(model, opt, files, strict)
 
 
-def _load(model: nn.Module, opt, files: str | os.PathLike | Sequence[str | os.PathLike], strict: bool) -> None:  # noqa: ANN001
+def _load(
+    model: nn.Module, opt, files: str | os.PathLike | Sequence[str | os.PathLike], strict: bool
+) -> None:  # noqa: ANN001
     with agreed("zerolite.checkpoint.load_pretrained()", opt.group, peer_error=CheckpointError):
         paths, mapped = _files(files)
         plan, loaded = _plan(model, opt, _locate(paths, mapped), strict)
@@ -188,7 +192,8 @@ def _plan(
             if candidate in where:
                 if where[candidate][1] != list(tensor.shape):
                     raise CheckpointError(
-                        f"{candidate!r}: shape {where[candidate][1]} in {where[candidate][0]}, model {list(tensor.shape)}"
+                        f"{candidate!r}: shape {where[candidate][1]} in {where[candidate][0]}, "
+                        f"model {list(tensor.shape)}"
                     )
                 return candidate
         return None
@@ -197,7 +202,9 @@ def _plan(
     missing: list[str] = []
     loaded: list[str] = []
     used: set[str] = set()
-    for flat, pieces in [(m.flat, m.pieces) for m in opt.masters] + [(f, None) for f in opt.frozen_flats]:
+    for flat, pieces in [(m.flat, m.pieces) for m in opt.masters] + [
+        (f, None) for f in opt.frozen_flats
+    ]:
         keys = [source(name, p) for name, p in zip(flat.names, flat.params)]
         missing += [name for name, key in zip(flat.names, keys) if key is None]
         loaded += [name for name, key in zip(flat.names, keys) if key is not None]
@@ -207,7 +214,11 @@ def _plan(
             if key is None:
                 continue
             values = _read_range(where[key][0], key, piece.param_start, piece.param_end)
-            dest = pieces[k] if pieces is not None else flat.shard[piece.shard_start : piece.shard_start + piece.numel]
+            dest = (
+                pieces[k]
+                if pieces is not None
+                else flat.shard[piece.shard_start : piece.shard_start + piece.numel]
+            )
             plan.append((dest, values.to(dest.dtype)))
     in_state_dict = set(state_dict_names(model))
     for name, tensor in model_only_tensors(model, opt).items():

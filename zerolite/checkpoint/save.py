@@ -76,7 +76,9 @@ from zerolite.optim.sharded_optimizer import ShardedOptimizer
 __all__ = ["FAULT_ENV", "latest", "save"]
 
 
-def rank_tensors(model: nn.Module, opt: ShardedOptimizer) -> tuple[dict[str, torch.Tensor], list[list], list[list]]:
+def rank_tensors(
+    model: nn.Module, opt: ShardedOptimizer
+) -> tuple[dict[str, torch.Tensor], list[list], list[list]]:
     """This rank's tensors for its file, and the (name, start, end) master and frozen pieces."""
     tensors: dict[str, torch.Tensor] = {}
     pieces: list[list] = []
@@ -86,7 +88,9 @@ def rank_tensors(model: nn.Module, opt: ShardedOptimizer) -> tuple[dict[str, tor
             name = flat.names[piece.index]
             start, end = piece.param_start, piece.param_end
             frozen_pieces.append([name, start, end])
-            tensors[frozen_key(name, start, end)] = flat.shard[piece.shard_start : piece.shard_start + piece.numel]
+            tensors[frozen_key(name, start, end)] = flat.shard[
+                piece.shard_start : piece.shard_start + piece.numel
+            ]
     for flat, master in zip(opt.flats, opt.masters):
         for piece, tensor in zip(flat.pieces, master.pieces):
             name = flat.names[piece.index]
@@ -131,7 +135,9 @@ def state_dict_names(model: nn.Module) -> list[str]:
     return names
 
 
-def _index(model: nn.Module, opt: ShardedOptimizer, schedulers: Sequence[Any], extra: Any) -> dict[str, Any]:
+def _index(
+    model: nn.Module, opt: ShardedOptimizer, schedulers: Sequence[Any], extra: Any
+) -> dict[str, Any]:
     aliases: dict[int, list[str]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         aliases.setdefault(id(p), []).append(name)
@@ -150,7 +156,10 @@ def _index(model: nn.Module, opt: ShardedOptimizer, schedulers: Sequence[Any], e
                 "aliases": [a for a in aliases[id(p)] if a != name],
             })
     steps = [
-        float(v) for s in opt.state.values() for k, v in s.items() if k == "step" and isinstance(v, torch.Tensor)
+        float(v)
+        for s in opt.state.values()
+        for k, v in s.items()
+        if k == "step" and isinstance(v, torch.Tensor)
     ]
     return {
         "format": FORMAT,
@@ -159,18 +168,25 @@ def _index(model: nn.Module, opt: ShardedOptimizer, schedulers: Sequence[Any], e
         "world_size": opt.group.size,
         "stage": opt.config.stage,
         "param_dtype": dtype_name(opt.config.param_dtype),
-        "reduce_dtype": None if opt.config.reduce_dtype is None else dtype_name(opt.config.reduce_dtype),
+        "reduce_dtype": None
+        if opt.config.reduce_dtype is None
+        else dtype_name(opt.config.reduce_dtype),
         "optimizer": {
             "class": f"{type(opt.optimizer).__module__}.{type(opt.optimizer).__qualname__}",
             "param_groups": [
-                {k: to_json_value(v, f"param group {g} {k!r}") for k, v in group.items() if k != "params"}
+                {
+                    k: to_json_value(v, f"param group {g} {k!r}")
+                    for k, v in group.items()
+                    if k != "params"
+                }
                 for g, group in enumerate(opt.param_groups)
             ],
         },
         "params": params,
         "frozen": [
             {"name": name, "shape": list(flat.shapes[i]), "dtype": dtype_name(flat.data.dtype)}
-            for flat in opt.frozen_flats for i, name in enumerate(flat.names)
+            for flat in opt.frozen_flats
+            for i, name in enumerate(flat.names)
         ],
         "state_dict_keys": state_dict_names(model),
         "tied": tied,
@@ -319,7 +335,11 @@ def _write_and_commit(
 
 
 def _write_file(
-    target: Path, tensors: dict[str, torch.Tensor], rank: int, pieces: list[list], frozen_pieces: list[list],
+    target: Path,
+    tensors: dict[str, torch.Tensor],
+    rank: int,
+    pieces: list[list],
+    frozen_pieces: list[list],
     groups: dict[str, int],
 ) -> bytes:
     data = safetensors_bytes(tensors, metadata={"format": FORMAT, "rank": str(rank)})
@@ -332,8 +352,17 @@ def _write_file(
         f.flush()
         os.fsync(f.fileno())
     size, sha = file_digest(target)
-    return json.dumps({"file": target.name, "rank": rank, "bytes": size, "sha256": sha, "pieces": pieces,
-                       "frozen_pieces": frozen_pieces, "groups": groups}).encode()
+    return json.dumps(
+        {
+            "file": target.name,
+            "rank": rank,
+            "bytes": size,
+            "sha256": sha,
+            "pieces": pieces,
+            "frozen_pieces": frozen_pieces,
+            "groups": groups,
+        }
+    ).encode()
 
 
 def latest(root: str | os.PathLike) -> Path | None:

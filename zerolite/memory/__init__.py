@@ -12,5 +12,12 @@ from zerolite.memory.footprint import STATE_BYTES_PER_PARAM, MemoryBreakdown, fo
 from zerolite.memory.track import MemoryTracker, PhasePeak, track
 
 __all__ = [
-    "MemoryBreakdown", "MemoryTracker", "PhasePeak", "STATE_BYTES_PER_PARAM", "estimate", "footprint", "formula", "track",
+    "MemoryBreakdown",
+    "MemoryTracker",
+    "PhasePeak",
+    "STATE_BYTES_PER_PARAM",
+    "estimate",
+    "footprint",
+    "formula",
+    "track",
 ]

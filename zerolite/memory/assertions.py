@@ -22,7 +22,9 @@ class FootprintMismatch(AssertionError):
         self.differences = differences
 
 
-def assert_footprint(opt: ShardedOptimizer, *, expected: MemoryBreakdown | None = None, rtol: float = 0.0) -> MemoryBreakdown:
+def assert_footprint(
+    opt: ShardedOptimizer, *, expected: MemoryBreakdown | None = None, rtol: float = 0.0
+) -> MemoryBreakdown:
     """Check this rank's measured model states against ``expected``, field by field.
 
     Local (no communication). ``transient`` is not compared: it depends on the moment.
@@ -47,8 +49,12 @@ def assert_footprint(opt: ShardedOptimizer, *, expected: MemoryBreakdown | None 
         if abs(got - want) > rtol * abs(want):
             differences[field] = (got, want)
     if differences:
-        lines = [f"{f}: measured {g:,} B, expected {w:,} B ({g - w:+,} B)" for f, (g, w) in differences.items()]
+        lines = [
+            f"{f}: measured {g:,} B, expected {w:,} B ({g - w:+,} B)"
+            for f, (g, w) in differences.items()
+        ]
         raise FootprintMismatch(
-            "memory footprint differs from expected (rtol=%g):\n  " % rtol + "\n  ".join(lines), differences
+            "memory footprint differs from expected (rtol=%g):\n  " % rtol + "\n  ".join(lines),
+            differences,
         )
     return dataclasses.replace(measured)

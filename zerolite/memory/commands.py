@@ -115,13 +115,21 @@ def run_estimate(args: argparse.Namespace) -> int:
         subject = count = args.params
     print(f"{count:,} parameters, {args.world_size} ranks, {args.dtype} parameters, "
           f"{args.reduce_dtype or args.dtype} gradients, {args.optimizer}; decimal GB per rank")
-    print(f"{'stage':8s} {'params':>8s} {'grads':>8s} {'master':>8s} {'optim':>8s} {'model states':>13s} {'transient':>10s}")
+    print(
+        f"{'stage':8s} {'params':>8s} {'grads':>8s} {'master':>8s} {'optim':>8s} "
+        f"{'model states':>13s} {'transient':>10s}"
+    )
     for stage, policy in STAGES.items():
         config = ZeroConfig(stage=stage, param_dtype=dtype, reduce_dtype=reduce)
         ddp = not policy.shards_optimizer_state  # DDP shards nothing: counted, not planned
         target = count if ddp else subject
-        b: MemoryBreakdown = estimate(target, world_size=args.world_size, config=config, optimizer=args.optimizer)
+        b: MemoryBreakdown = estimate(
+            target, world_size=args.world_size, config=config, optimizer=args.optimizer
+        )
         label = f"{stage} (DDP)" if ddp else str(stage)
-        print(f"{label:8s} {_gb(b.params):>8s} {_gb(b.grads):>8s} {_gb(b.master):>8s} {_gb(b.optimizer_state):>8s} "
-              f"{_gb(b.model_states):>13s} {_gb(b.transient) if b.transient else '-':>10s}")
+        print(
+            f"{label:8s} {_gb(b.params):>8s} {_gb(b.grads):>8s} {_gb(b.master):>8s} "
+            f"{_gb(b.optimizer_state):>8s} "
+            f"{_gb(b.model_states):>13s} {_gb(b.transient) if b.transient else '-':>10s}"
+        )
     return 0

@@ -86,11 +86,15 @@ def _breakdown(
     state = 0
     for b in buffers:
         for piece in b.layout.pieces(rank):
-            per_element, scalars = state_bytes(optimizer, optimizer.param_groups[b.groups[piece.index]])
+            per_element, scalars = state_bytes(
+                optimizer, optimizer.param_groups[b.groups[piece.index]]
+            )
             state += piece.numel * per_element + scalars
     other = sum(q.numel() * q.element_size() for q in unmanaged)
     other_grads = sum(q.numel() * q.element_size() for q in unmanaged if q.requires_grad)
-    upcast = 0 if config.grad_dtype == torch.float32 else 4 * max(b.layout.shard_numel for b in buffers)
+    upcast = (
+        0 if config.grad_dtype == torch.float32 else 4 * max(b.layout.shard_numel for b in buffers)
+    )
     largest_bucket = max(b.layout.padded_numel for b in buffers)
     largest_param = max(n for b in buffers for n in b.layout.numels)
     if policy.shards_gradients:  # two buckets (filling, in flight), one autograd gradient
@@ -106,7 +110,9 @@ def _breakdown(
     return MemoryBreakdown(
         params=held(policy.shards_parameters) * p + frozen_shards + other,
         grads=held(policy.shards_gradients) * kept_g + other_grads,
-        master=0 if config.param_dtype == torch.float32 else 4 * held(policy.shards_optimizer_state),
+        master=0
+        if config.param_dtype == torch.float32
+        else 4 * held(policy.shards_optimizer_state),
         optimizer_state=state,
         transient=transient,
     )
@@ -154,11 +160,17 @@ def estimate(
     plan = plan_layout(model, opt, config)
     root_last = STAGES[config.stage].shards_parameters  # the last buffer is the root unit's
     buffers = [
-        _Buffer(FlatLayout(tuple(p.numel() for _, p in bucket), world_size),
-                [plan.group_of[id(p)] for _, p in bucket], root=root_last and b == len(plan.buckets) - 1)
+        _Buffer(
+            FlatLayout(tuple(p.numel() for _, p in bucket), world_size),
+            [plan.group_of[id(p)] for _, p in bucket],
+            root=root_last and b == len(plan.buckets) - 1,
+        )
         for b, bucket in enumerate(plan.buckets)
     ]
-    frozen = [FlatLayout(tuple(p.numel() for _, p in bucket), world_size) for bucket in plan.frozen_buckets]
+    frozen = [
+        FlatLayout(tuple(p.numel() for _, p in bucket), world_size)
+        for bucket in plan.frozen_buckets
+    ]
     managed = {id(p) for bucket in [*plan.buckets, *plan.frozen_buckets] for _, p in bucket}
     unmanaged = [p for p in model.parameters() if id(p) not in managed]
     return _breakdown(buffers, opt, config, rank, unmanaged, frozen)
@@ -167,7 +179,8 @@ def estimate(
 def _count(value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value):
         raise TypeError(
-            f"estimate(): model_or_count must be an nn.Module or a whole number of parameters, got {value!r}"
+            f"estimate(): model_or_count must be an nn.Module or a whole number of parameters, "
+            f"got {value!r}"
         )
     if value <= 0:
         raise ValueError(f"estimate(): the parameter count must be positive, got {value!r}")
@@ -175,16 +188,20 @@ def _count(value: object) -> int:
 
 
 def _formula_name(optimizer: str | torch.optim.Optimizer) -> str:
-    """The `STATE_BYTES_PER_PARAM` key for ``optimizer``; an unknown one is refused, never guessed."""
+    """The `STATE_BYTES_PER_PARAM` key for ``optimizer``; an unknown one is refused, never
+    guessed."""
     if isinstance(optimizer, torch.optim.Optimizer):
         name = name_of(optimizer)
     elif isinstance(optimizer, str):
         name = optimizer
     else:
-        raise TypeError(f"estimate(): optimizer must be a name or a torch.optim.Optimizer, got {optimizer!r}")
+        raise TypeError(
+            f"estimate(): optimizer must be a name or a torch.optim.Optimizer, got {optimizer!r}"
+        )
     if name not in NAMED:
         raise ValueError(
-            f"estimate(): no state layout known for optimizer {name!r}; use one of {sorted(NAMED)}, "
+            f"estimate(): no state layout known for optimizer {name!r}; use one of "
+            f"{sorted(NAMED)}, "
             "or pass the model with the optimizer instance, or measure with footprint()"
         )
     return name
@@ -204,4 +221,11 @@ def estimate_sharded(opt) -> MemoryBreakdown:  # noqa: ANN001 - a ShardedOptimiz
     model = opt.model
     managed = {id(p) for flat in [*opt.flats, *opt.frozen_flats] for p in flat.params}
     unmanaged = [p for p in model.parameters() if id(p) not in managed] if model is not None else []
-    return _breakdown(buffers, opt.optimizer, opt.config, opt.group.rank, unmanaged, [f.layout for f in opt.frozen_flats])
+    return _breakdown(
+        buffers,
+        opt.optimizer,
+        opt.config,
+        opt.group.rank,
+        unmanaged,
+        [f.layout for f in opt.frozen_flats],
+    )

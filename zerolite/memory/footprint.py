@@ -107,9 +107,13 @@ def footprint(opt: ShardedOptimizer) -> MemoryBreakdown:
     model = opt.model
     model_params = list(model.parameters()) if model is not None else []
     # Stage 3 holds shards; full buffers of gathered units are transient.
-    params = census.count([f.data if f.replicated else f.shard for f in [*opt.flats, *opt.frozen_flats]])
+    params = census.count(
+        [f.data if f.replicated else f.shard for f in [*opt.flats, *opt.frozen_flats]]
+    )
     master = census.count(m.data for m in opt.masters)
-    params += census.count(p for p in model_params if p.untyped_storage().nbytes() and not _in_flats(p, opt))
+    params += census.count(
+        p for p in model_params if p.untyped_storage().nbytes() and not _in_flats(p, opt)
+    )
     persistent = [b.full if b.keep_full else b.shard for b in opt.buckets]
     other_grads = [p.grad for p in model_params if not _in_flats(p, opt)]
     grads = census.count(persistent + other_grads)
@@ -120,7 +124,9 @@ def footprint(opt: ShardedOptimizer) -> MemoryBreakdown:
         + [f.data for f in [*opt.flats, *opt.frozen_flats] if not f.replicated]
         + opt.bookkeeping_tensors()
     )
-    return MemoryBreakdown(params=params, grads=grads, master=master, optimizer_state=state, transient=transient)
+    return MemoryBreakdown(
+        params=params, grads=grads, master=master, optimizer_state=state, transient=transient
+    )
 
 
 def formula(
@@ -151,7 +157,9 @@ def formula(
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size!r}")
     if optimizer not in STATE_BYTES_PER_PARAM:
-        raise ValueError(f"optimizer must be one of {sorted(STATE_BYTES_PER_PARAM)}, got {optimizer!r}")
+        raise ValueError(
+            f"optimizer must be one of {sorted(STATE_BYTES_PER_PARAM)}, got {optimizer!r}"
+        )
     policy = STAGES[stage]
     psi = Fraction(num_params)
 

@@ -101,8 +101,13 @@ class MemoryTracker:
         hooks = self._handles
         if model is not None:
             # Forwards recomputed inside backward (activation checkpointing) stay in backward.
-            hooks.append(model.register_forward_pre_hook(
-                lambda *a: None if torch._C._current_graph_task_id() != -1 else self.enter("forward")))
+            hooks.append(
+                model.register_forward_pre_hook(
+                    lambda *a: (
+                        None if torch._C._current_graph_task_id() != -1 else self.enter("forward")
+                    )
+                )
+            )
             for module in model.modules():
                 hooks.append(module.register_forward_pre_hook(lambda *a: self.sample()))
                 hooks.append(module.register_forward_hook(lambda *a: self.sample()))

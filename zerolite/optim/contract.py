@@ -42,14 +42,19 @@ def check_optimizer(
     """
     cls = type(optimizer)
     if not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(f"shard() needs a torch.optim.Optimizer, got {cls.__module__}.{cls.__qualname__}")
+        raise TypeError(
+            f"shard() needs a torch.optim.Optimizer, got {cls.__module__}.{cls.__qualname__}"
+        )
     if cls in ELEMENTWISE_OPTIMIZERS or cls in declared:
         return
     name = f"{cls.__module__}.{cls.__qualname__}"
     allowed = ", ".join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)
     if cls.__name__ in _WHY_NOT and cls.__module__.startswith("torch.optim"):
         reason = _WHY_NOT[cls.__name__]
-        raise TypeError(f"{name} cannot be sharded: {reason}. Sharding supports elementwise optimizers: {allowed}.")
+        raise TypeError(
+            f"{name} cannot be sharded: {reason}. Sharding supports elementwise optimizers: "
+            f"{allowed}."
+        )
     parents = [c.__name__ for c in cls.__mro__[1:] if c in ELEMENTWISE_OPTIMIZERS]
     detail = (
         f"it subclasses {parents[0]}, but a subclass may change the update, so it is not trusted"

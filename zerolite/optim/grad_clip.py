@@ -37,12 +37,16 @@ def global_grad_norm(shards: list[torch.Tensor], norm_type: float, group: Group)
         local = torch.zeros((), dtype=torch.float32, device=device)
         for s in shards:
             local = torch.maximum(local, s.detach().abs().max().float())
-        all_reduce(local, group, dist.ReduceOp.MAX, what="clip_grad_norm_'s all-reduce of the global norm")
+        all_reduce(
+            local, group, dist.ReduceOp.MAX, what="clip_grad_norm_'s all-reduce of the global norm"
+        )
         return local
     local = torch.zeros((), dtype=torch.float32, device=device)
     for s in shards:
         local += torch.linalg.vector_norm(s.detach(), p, dtype=torch.float32) ** p
-    all_reduce(local, group, dist.ReduceOp.SUM, what="clip_grad_norm_'s all-reduce of the global norm")
+    all_reduce(
+        local, group, dist.ReduceOp.SUM, what="clip_grad_norm_'s all-reduce of the global norm"
+    )
     return local ** (1.0 / p)
 
 

@@ -30,7 +30,9 @@ class MasterShard:
     def __init__(self, flat: FlatParamBuffer) -> None:
         self.flat = flat
         # 1-D, fp32, shard_numel: a view of flat.shard when params are fp32, else a copy.
-        self.data: torch.Tensor = flat.shard if flat.data.dtype == torch.float32 else flat.shard.float()
+        self.data: torch.Tensor = (
+            flat.shard if flat.data.dtype == torch.float32 else flat.shard.float()
+        )
         # 1-D fp32 views of `data`, one per flat.pieces entry: what the optimizer steps.
         self.pieces: list[torch.Tensor] = [
             self.data[pc.shard_start : pc.shard_start + pc.numel] for pc in flat.pieces
@@ -39,7 +41,10 @@ class MasterShard:
     @property
     def is_view(self) -> bool:
         """True when the master is the parameter shard itself (fp32 training)."""
-        return self.data.data_ptr() == self.flat.shard.data_ptr() and self.data.dtype == self.flat.shard.dtype
+        return (
+            self.data.data_ptr() == self.flat.shard.data_ptr()
+            and self.data.dtype == self.flat.shard.dtype
+        )
 
     def write_back(self) -> None:
         """Cast the updated master into the parameter shard (no-op when it is a view)."""
@@ -54,7 +59,11 @@ class MasterShard:
             used: bool per param of the flat buffer: some rank produced a gradient.
         """
         for piece, tensor in zip(self.flat.pieces, self.pieces):
-            tensor.grad = grad_shard[piece.shard_start : piece.shard_start + piece.numel] if used[piece.index] else None
+            tensor.grad = (
+                grad_shard[piece.shard_start : piece.shard_start + piece.numel]
+                if used[piece.index]
+                else None
+            )
 
     def clear_grads(self) -> None:
         for tensor in self.pieces:

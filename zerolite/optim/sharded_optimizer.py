@@ -143,7 +143,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def __repr__(self) -> str:
         return (
-            f"ShardedOptimizer(stage={self.config.stage}, rank={self.group.rank}/{self.group.size}, "
+            f"ShardedOptimizer(stage={self.config.stage}, "
+            f"rank={self.group.rank}/{self.group.size}, "
             f"buffers={len(self.flats)}, optimizer={self.optimizer!r})"
         )
 
@@ -189,7 +190,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         for b, (master, bucket) in enumerate(zip(self.masters, self.buckets)):
             shard = bucket.shard
             if shard is None:
-                raise RuntimeError(f"{self.group.prefix()} bucket {b} has no reduced gradient shard")
+                raise RuntimeError(
+                    f"{self.group.prefix()} bucket {b} has no reduced gradient shard"
+                )
             master.set_grads(self._fp32_gradient(shard), used[b])
             waiting.append(master)
             if master.flat.replicated or shard.dtype != torch.float32:
@@ -330,7 +333,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
             current = group["params"]
             if len(current) != len(expected) or any(a is not b for a, b in zip(current, expected)):
                 raise RuntimeError(
-                    f"{self.group.prefix()} param group {g} (optimizer.param_groups[{g}]['params']) changed after "
+                    f"{self.group.prefix()} param group {g} "
+                    f"(optimizer.param_groups[{g}]['params']) changed after "
                     f"zerolite.shard() (it holds {len(current)} tensors, zerolite gave it "
                     f"{len(expected)}): zerolite shards the parameters the optimizer held at "
                     "shard(). Put every parameter in its group before calling shard()."

@@ -80,10 +80,15 @@ def _check(opt: ShardedOptimizer, state_dict: dict[str, Any]) -> None:
             "ShardedOptimizer, or use zerolite.checkpoint to load across topologies"
         )
     if meta.get("format") != FORMAT:
-        raise ValueError(f"state dict format {meta.get('format')!r} is not supported (expected {FORMAT})")
+        raise ValueError(
+            f"state dict format {meta.get('format')!r} is not supported (expected {FORMAT})"
+        )
     missing = [k for k in ("state", "param_groups") if k not in state_dict]
-    missing += [f"zerolite.{k}" for k in ("rank", "world_size", "stage", "layout", "masters", "loss_scaler")
-                if k not in meta]
+    missing += [
+        f"zerolite.{k}"
+        for k in ("rank", "world_size", "stage", "layout", "masters", "loss_scaler")
+        if k not in meta
+    ]
     if missing:
         raise ValueError(
             f"this ShardedOptimizer state dict lacks {missing}; load the dict that "
@@ -112,13 +117,15 @@ def _check(opt: ShardedOptimizer, state_dict: dict[str, Any]) -> None:
             "use zerolite.checkpoint"
         )
     if len(meta["masters"]) != len(opt.masters):
-        raise ValueError(f"state dict has {len(meta['masters'])} master shards, expected {len(opt.masters)}")
+        raise ValueError(
+            f"state dict has {len(meta['masters'])} master shards, expected {len(opt.masters)}"
+        )
     for i, (master, saved) in enumerate(zip(opt.masters, meta["masters"])):
         if not isinstance(saved, torch.Tensor) or saved.shape != master.data.shape:
             shape = tuple(saved.shape) if isinstance(saved, torch.Tensor) else type(saved).__name__
             raise ValueError(
-                f"master shard {i} of this state dict is {shape}, expected {tuple(master.data.shape)}; "
-                "load the dict this rank saved with the same setup"
+                f"master shard {i} of this state dict is {shape}, expected "
+                f"{tuple(master.data.shape)}; load the dict this rank saved with the same setup"
             )
     if (meta["loss_scaler"] is None) != (opt.loss_scaler is None):
         raise ValueError("state dict and optimizer disagree on fp16 loss scaling")
