@@ -8,6 +8,7 @@ from torch import nn
 
 import zerolite
 from zerolite import RankMismatchError, ZeroConfig
+from zerolite.shard_state import state_of
 from zerolite.testing import run_ranks
 
 
@@ -39,7 +40,7 @@ def _assert_untouched(model, opt, before):
     for p in model.parameters():
         assert not getattr(p, "_post_accumulate_grad_hooks", None)
     assert "no_sync" not in vars(model)
-    assert not getattr(model, "_zerolite_sharded", False)
+    assert state_of(model) is None
 
 
 class MyAdamW(torch.optim.AdamW):

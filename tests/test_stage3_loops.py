@@ -13,6 +13,7 @@ from examples.gpt import GPT
 from tests import parity
 from tests.test_stage3 import LiveUnitMeter, _unit_bytes
 from zerolite.memory import footprint
+from zerolite.shard_state import state_of
 from zerolite.testing import run_ranks
 
 
@@ -129,7 +130,7 @@ def _frozen_case() -> dict:
     ]
     total = sum(p.numel() for p in model.parameters())
     unit_sizes = [
-        max(f.layout.padded_numel * 4 for f in fs) for fs in model._zerolite_units.flats if fs
+        max(f.layout.padded_numel * 4 for f in fs) for fs in state_of(model).scheduler.flats if fs
     ]
     return {
         "peak": meter.peak,

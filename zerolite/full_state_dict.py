@@ -12,7 +12,7 @@ from torch import nn
 
 from zerolite.checkpoint.save import state_dict_names
 from zerolite.gathered import iter_full_state_dict
-from zerolite.zero import UNITS_ATTR
+from zerolite.shard_state import state_of
 
 __all__ = ["full_state_dict"]
 
@@ -35,7 +35,8 @@ def full_state_dict(
     Returns:
         ``name -> tensor`` copies, in ``model.state_dict()`` order.
     """
-    scheduler = getattr(model, UNITS_ATTR, None)
+    state = state_of(model)
+    scheduler = None if state is None else state.scheduler
     rank = scheduler.group.rank if scheduler is not None else _rank()
     keep = not rank0_only or rank == 0
     items = {}

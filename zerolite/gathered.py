@@ -16,8 +16,8 @@ import torch
 from torch import nn
 
 from zerolite.collectives import broadcast
+from zerolite.shard_state import require_state, state_of
 from zerolite.unit_scheduler import UnitScheduler
-from zerolite.zero import SHARDED_OPTIMIZER_ATTR, UNITS_ATTR
 
 __all__ = ["gathered_parameters", "iter_full_state_dict"]
 
@@ -40,10 +40,8 @@ def gathered_parameters(model: nn.Module, modifier_rank: int | None = None) -> I
             resharding and is what the optimizer steps next. If None, edits are
             discarded on exit in stage 3 (and must be identical on every rank in stages 1-2).
     """
-    opt = getattr(model, SHARDED_OPTIMIZER_ATTR, None)
-    if opt is None:
-        raise ValueError("gathered_parameters() needs a model sharded by zerolite.shard()")
-    world = opt.group.size
+    state = require_state(model, "gathered_parameters()")
+    world = state.group.size
     if modifier_rank is not None and (
         isinstance(modifier_rank, bool)
         or not isinstance(modifier_rank, int)
@@ -53,7 +51,7 @@ def gathered_parameters(model: nn.Module, modifier_rank: int | None = None) -> I
             f"gathered_parameters(): modifier_rank must be None or a rank in [0, {world}), got "
             f"{modifier_rank!r}"
         )
-    scheduler: UnitScheduler | None = getattr(model, UNITS_ATTR, None)
+    scheduler = state.scheduler
     was_gathered = []
     if scheduler is not None:
         scheduler.refresh_stale()
@@ -70,12 +68,12 @@ def gathered_parameters(model: nn.Module, modifier_rank: int | None = None) -> I
         if scheduler is not None:
             scheduler.pinned -= 1
         if modifier_rank is not None:
-            masters = {id(m.flat): m for m in opt.masters}
-            for flat in [*opt.flats, *opt.frozen_flats]:
+            masters = {id(m.flat): m for m in state.masters}
+            for flat in [*state.flats, *state.frozen_flats]:
                 broadcast(
                     flat.data,
                     modifier_rank,
-                    opt.group,
+                    state.group,
                     what="gathered_parameters()'s broadcast of the edits",
                 )
                 lo, hi = flat.layout.shard_range(flat.rank)
@@ -103,7 +101,8 @@ def iter_full_state_dict(
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"iter_full_state_dict() needs an nn.Module, got {type(model).__name__}")
-    scheduler: UnitScheduler | None = getattr(model, UNITS_ATTR, None)
+    state = state_of(model)
+    scheduler: UnitScheduler | None = None if state is None else state.scheduler
     if scheduler is None:
         shared: dict[int, torch.Tensor] = {}
         for name, tensor in model.state_dict(keep_vars=True).items():

@@ -62,6 +62,7 @@ from zerolite import phases
 from zerolite.collectives import Group, broadcast
 from zerolite.config import ZeroConfig
 from zerolite.flat_buffer import FlatParamBuffer
+from zerolite.shard_state import state_of
 
 __all__ = [
     "MetaBuild",
@@ -72,9 +73,6 @@ __all__ = [
     "materialize_device",
     "materialize",
 ]
-
-PENDING_ATTR = "_zerolite_meta_build"  # the model's MetaBuild, until its first forward passes
-
 
 @dataclasses.dataclass
 class MetaBuild:
@@ -109,12 +107,15 @@ class MetaBuild:
             )
         if self.handle is not None:
             self.handle.remove()
-        delattr(model, PENDING_ATTR)
+        state = state_of(model)
+        if state is not None:
+            state.meta_build = None
 
 
 def mark_loaded(model: nn.Module, names: list[str] | None) -> None:
     """Loading wrote ``names`` (``None``: every parameter and persistent buffer)."""
-    build: MetaBuild | None = getattr(model, PENDING_ATTR, None)
+    state = state_of(model)
+    build = None if state is None else state.meta_build
     if build is None:
         return
     if names is None:
@@ -261,7 +262,7 @@ def materialize(
     shard: bool,
     init_fn: Callable[[nn.Module], None] | None,
     group: Group,
-) -> list[FlatParamBuffer]:
+) -> tuple[list[FlatParamBuffer], MetaBuild]:
     """Give a meta-built model storage on ``device``; returns its flat buffers, bound.
 
     Every rank must call (one small collective: the generator states).
@@ -277,8 +278,9 @@ def materialize(
         shard: keep only this rank's shard of each buffer once complete (stage 3).
         init_fn: ``ZeroConfig.init_fn``.
     Returns:
-        The flat buffers, in index order. Records what is uninitialised on the model
-        (see `MetaBuild`); `check_before_first_forward` arms the check.
+        The flat buffers, in index order, and what is left uninitialised (a `MetaBuild`,
+        kept in the model's `zerolite.shard_state.ShardState`; `check_before_first_forward`
+        arms the check).
     """
     bucket_of = {id(p): i for i, bucket in enumerate(buckets) for _, p in bucket}
     flats: list[FlatParamBuffer | None] = [None] * len(buckets)
@@ -361,17 +363,19 @@ def materialize(
     _check_unsharded(
         model, bucket_of, made_buffers, buffer_owner, initialised_modules, uninitialised
     )
-    setattr(model, PENDING_ATTR, MetaBuild(uninitialised))
-    return [f for f in flats if f is not None]
+    return [f for f in flats if f is not None], MetaBuild(uninitialised)
 
 
-def check_before_first_forward(model: nn.Module) -> None:
+def check_before_first_forward(model: nn.Module, build: MetaBuild | None) -> None:
     """After a meta build: make the first forward raise while anything is uninitialised.
 
     Registered last and in front of every other forward pre-hook (stage 3 gathers in
     one), so a refused forward has changed nothing.
+
+    Args:
+        model: the sharded model.
+        build: what `materialize` left uninitialised; None (no meta build) does nothing.
     """
-    build: MetaBuild | None = getattr(model, PENDING_ATTR, None)
     if build is not None:
         build.handle = model.register_forward_pre_hook(
             lambda module, args: build.check(module), prepend=True

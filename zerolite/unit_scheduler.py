@@ -39,9 +39,7 @@ from zerolite.compile_guard import not_compiled
 from zerolite.flat_buffer import FlatParamBuffer
 from zerolite.generation import install_synced_generate
 
-__all__ = ["UNITS_ATTR", "UnitScheduler"]
-
-UNITS_ATTR = "_zerolite_units"  # on a sharded model: its UnitScheduler (None in stages 1-2)
+__all__ = ["UnitScheduler"]
 
 
 class UnitScheduler:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import logging
+import weakref
 from typing import cast
 
 import torch
@@ -47,16 +48,14 @@ from zerolite.optim.contract import check_optimizer
 from zerolite.optim.master import MasterShard
 from zerolite.optim.sharded_optimizer import ShardedOptimizer
 from zerolite.params import guard_conversions, install_no_sync
+from zerolite.shard_state import ShardState, register, state_of
 from zerolite.stages import STAGES
-from zerolite.unit_scheduler import UNITS_ATTR, UnitScheduler
+from zerolite.unit_scheduler import UnitScheduler
 from zerolite.units import Unit, find_units
 
 __all__ = ["shard"]
 
 logger = logging.getLogger(__name__)
-
-_SHARDED_ATTR = "_zerolite_sharded"
-SHARDED_OPTIMIZER_ATTR = "_zerolite_optimizer"  # the ShardedOptimizer built for the model
 
 
 @dataclasses.dataclass
@@ -196,7 +195,7 @@ def plan_layout(model: nn.Module, optimizer: torch.optim.Optimizer, config: Zero
         raise TypeError(f"shard() needs an nn.Module as model, got {type(model).__name__}")
     if isinstance(optimizer, ShardedOptimizer):
         raise TypeError("this optimizer is already a ShardedOptimizer; call shard() once per model")
-    if getattr(model, _SHARDED_ATTR, False):
+    if state_of(model) is not None:
         raise RuntimeError(
             "this model was already sharded by zerolite.shard(); shard() may be called once per "
             "model (build a new model and optimizer to shard again)"
@@ -300,11 +299,12 @@ def _build(
     def make_flat(index: int) -> FlatParamBuffer:
         return _bound_flat(all_buckets[index], index, group, config, plan.device)
 
+    meta_build = None
     if plan.on_meta:
         # Every rank computes the same values from rank 0's generator: nothing to broadcast.
         # A unit is complete once its module is initialised (the root: at the end).
         closed_by = {id(u.module): b for u, b in zip((plan.units or [])[:-1], unit_buffers)}
-        all_flats = materialize(
+        all_flats, meta_build = materialize(
             model, all_buckets, closed_by, make_flat,
             param_dtype=config.param_dtype, device=plan.device, shard=policy.shards_parameters,
             init_fn=config.init_fn, group=group,
@@ -364,22 +364,24 @@ def _build(
         },
     )
     install_no_sync(model, reducer)
-    check_before_first_forward(model)
-    setattr(model, _SHARDED_ATTR, True)
-    setattr(model, UNITS_ATTR, scheduler)
-    sharded = ShardedOptimizer(
-        optimizer,
-        config=config,
+    check_before_first_forward(model, meta_build)
+    state = ShardState(
+        model,
         group=group,
+        config=config,
+        inner=optimizer,
         flats=flats,
         masters=masters,
+        frozen_flats=frozen_flats,
         reducer=reducer,
         grads=grads,
+        scheduler=scheduler,
         layout_digest=layout_digest,
-        model=model,
+        meta_build=meta_build,
     )
-    sharded.frozen_flats = frozen_flats
-    setattr(model, SHARDED_OPTIMIZER_ATTR, sharded)
+    sharded = ShardedOptimizer(optimizer, state)
+    state.optimizer = sharded
+    register(model, state)
     numel = sum(flat.numel for flat in flats)
     if group.rank == 0:
         logger.info(
@@ -435,10 +437,23 @@ def _schedule_units(
     unit_of_bucket = {
         flat.index: i for i, fs in enumerate(unit_flats) for flat in fs if flat in flats
     }
-    grads.on_bucket_complete = lambda b: scheduler.on_unit_gradients_ready(unit_of_bucket[b])
+    # Weakly: the model's hooks keep the scheduler alive, and a strong reference from the
+    # hooks (held by the model's registered ShardState) would keep the model alive forever
+    # (see zerolite.shard_state).
+    owner = weakref.ref(scheduler)
+
+    def on_bucket_complete(b: int) -> None:
+        if (alive := owner()) is not None:
+            alive.on_unit_gradients_ready(unit_of_bucket[b])
+
+    def on_backward_end() -> None:
+        if (alive := owner()) is not None:
+            alive.on_backward_end()
+
+    grads.on_bucket_complete = on_bucket_complete
     # Both run from autograd callbacks, inside a compiled frame when a compiled function
     # calls backward; they must not be traced (see zerolite.compile_guard).
-    grads.on_backward_end = not_compiled(scheduler.on_backward_end)
+    grads.on_backward_end = not_compiled(on_backward_end)
     return scheduler
 
 

@@ -25,10 +25,9 @@ def piece_groups(opt: Any) -> dict[str, int]:
     """``{parameter name: param group index}`` for the parameters with a piece on this rank."""
     group_of = {id(t): g for g, group in enumerate(opt.param_groups) for t in group["params"]}
     out: dict[str, int] = {}
-    for flat, master in zip(opt.flats, opt.masters):
-        for piece, tensor in zip(flat.pieces, master.pieces):
-            if id(tensor) in group_of:
-                out[flat.names[piece.index]] = group_of[id(tensor)]
+    for piece in opt.shard_state.pieces():
+        if id(piece.master) in group_of:
+            out[piece.name] = group_of[id(piece.master)]
     return out
 
 

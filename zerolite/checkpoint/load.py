@@ -144,17 +144,15 @@ def _read_rank_state(
     reader = _RangeReader(path, index)
     keys = _state_keys(path, index)
     out = []
-    for flat, master in zip(opt.flats, opt.masters):
-        for piece, tensor in zip(flat.pieces, master.pieces):
-            name = flat.names[piece.index]
-            s, e = piece.param_start, piece.param_end
-            values = reader.read(master_key, name, s, e).float()
-            state = {}
-            for key, scalar in keys.get(name, {}).items():
-                state[key] = reader.read(
-                    lambda n, a, b, k=key: state_key(k, n, a, b), name, s, e, scalar=scalar
-                )
-            out.append((tensor, values, state))
+    for piece in opt.shard_state.pieces():
+        name, s, e = piece.name, piece.param_start, piece.param_end
+        values = reader.read(master_key, name, s, e).float()
+        state = {}
+        for key, scalar in keys.get(name, {}).items():
+            state[key] = reader.read(
+                lambda n, a, b, k=key: state_key(k, n, a, b), name, s, e, scalar=scalar
+            )
+        out.append((piece.master, values, state))
     return out
 
 
@@ -277,7 +275,7 @@ def _load(
         current_groups.update(json.loads(payload))
     pieces: list = []
     model_tensors: dict[str, torch.Tensor] = {}
-    frozen_pieces: list[tuple[Any, Any, torch.Tensor]] = []
+    frozen_pieces: list[tuple[torch.Tensor, torch.Tensor]] = []  # (shard view, values)
     rng: torch.Tensor | None = None
     cuda_rng: torch.Tensor | None = None  # restored only at the same world size
     extra: Any = None
@@ -312,13 +310,14 @@ def _load(
                         f"{list(target.shape)}"
                     )
                 model_tensors[name] = tensor
-            for flat in optimizer.frozen_flats:  # stage 3: this rank's ranges of frozen parameters
-                for piece in flat.pieces:
-                    name = flat.names[piece.index]
-                    if not source.has(name):
-                        raise CheckpointError(f"{path}: no tensor for frozen parameter {name!r}")
-                    values = source.read(name, piece.param_start, piece.param_end)
-                    frozen_pieces.append((flat, piece, values))
+            # Stage 3: this rank's ranges of frozen parameters.
+            for frozen in optimizer.shard_state.frozen_pieces():
+                if not source.has(frozen.name):
+                    raise CheckpointError(
+                        f"{path}: no tensor for frozen parameter {frozen.name!r}"
+                    )
+                values = source.read(frozen.name, frozen.param_start, frozen.param_end)
+                frozen_pieces.append((frozen.shard, values))
             same_world = index["world_size"] == group.size
             rng_file = path / index["files"][group.rank if same_world else 0]["file"]
             with safe_open(rng_file, framework="pt") as f:
@@ -344,8 +343,8 @@ def _load(
     targets = model_only_tensors(model, optimizer)
     for name, tensor in model_tensors.items():
         targets[name].copy_(tensor)
-    for flat, piece, values in frozen_pieces:
-        flat.shard[piece.shard_start : piece.shard_start + piece.numel].copy_(values)
+    for shard, values in frozen_pieces:
+        shard.copy_(values)
     optimizer.publish_masters()
     if rng is not None:
         if index["world_size"] == group.size:

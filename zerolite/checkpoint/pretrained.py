@@ -24,7 +24,7 @@ from zerolite.checkpoint.format import CheckpointError
 from zerolite.checkpoint.save import model_only_tensors, state_dict_names
 from zerolite.consensus import agreed
 from zerolite.meta_init import mark_loaded
-from zerolite.zero import SHARDED_OPTIMIZER_ATTR
+from zerolite.shard_state import require_state
 
 __all__ = ["load_pretrained"]
 
@@ -157,11 +157,7 @@ def load_pretrained(
             or an ambiguous name: in two files, or in a file its index's ``weight_map``
             does not name for it (the map decides; a disagreeing file is an error).
     """
-    opt = getattr(model, SHARDED_OPTIMIZER_ATTR, None)
-    if opt is None:
-        raise ValueError(
-            "load_pretrained() needs a model sharded by zerolite.shard(); call shard() first"
-        )
+    opt = require_state(model, "load_pretrained()", "; call shard() first").optimizer
     with phases.phase("load"):
         _load(model, opt, files, strict)
 

@@ -83,23 +83,18 @@ def rank_tensors(
     tensors: dict[str, torch.Tensor] = {}
     pieces: list[list] = []
     frozen_pieces: list[list] = []
-    for flat in opt.frozen_flats:
-        for piece in flat.pieces:
-            name = flat.names[piece.index]
-            start, end = piece.param_start, piece.param_end
-            frozen_pieces.append([name, start, end])
-            tensors[frozen_key(name, start, end)] = flat.shard[
-                piece.shard_start : piece.shard_start + piece.numel
-            ]
-    for flat, master in zip(opt.flats, opt.masters):
-        for piece, tensor in zip(flat.pieces, master.pieces):
-            name = flat.names[piece.index]
-            start, end = piece.param_start, piece.param_end
-            pieces.append([name, start, end])
-            tensors[master_key(name, start, end)] = tensor.detach()
-            for key, value in opt.state.get(tensor, {}).items():
-                if isinstance(value, torch.Tensor):
-                    tensors[state_key(key, name, start, end)] = value.detach()
+    state = opt.shard_state
+    for frozen in state.frozen_pieces():
+        name, start, end = frozen.name, frozen.param_start, frozen.param_end
+        frozen_pieces.append([name, start, end])
+        tensors[frozen_key(name, start, end)] = frozen.shard
+    for piece in state.pieces():
+        name, start, end = piece.name, piece.param_start, piece.param_end
+        pieces.append([name, start, end])
+        tensors[master_key(name, start, end)] = piece.master.detach()
+        for key, value in piece.state.items():
+            if isinstance(value, torch.Tensor):
+                tensors[state_key(key, name, start, end)] = value.detach()
     tensors["rng/cpu"] = torch.get_rng_state()
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         tensors["rng/cuda"] = torch.cuda.get_rng_state()
@@ -144,15 +139,17 @@ def _index(
     # Every tied name -> the name it is saved under (the first), frozen ones included.
     tied = {alias: names[0] for names in aliases.values() for alias in names[1:]}
     group_of = {id(t): g for g, group in enumerate(opt.param_groups) for t in group["params"]}
+    # Per flat buffer and parameter index: this rank's master piece (at most one).
+    master_of = {(id(pc.flat), pc.index): pc.master for pc in opt.shard_state.pieces()}
     params = []
-    for flat, master in zip(opt.flats, opt.masters):
+    for flat in opt.flats:
         for i, (name, p) in enumerate(zip(flat.names, flat.params)):
-            piece_tensors = [t for pc, t in zip(flat.pieces, master.pieces) if pc.index == i]
+            master = master_of.get((id(flat), i))
             params.append({
                 "name": name,
                 "shape": list(flat.shapes[i]),
                 "dtype": dtype_name(flat.data.dtype),
-                "group": group_of[id(piece_tensors[0])] if piece_tensors else None,
+                "group": group_of[id(master)] if master is not None else None,
                 "aliases": [a for a in aliases[id(p)] if a != name],
             })
     steps = [

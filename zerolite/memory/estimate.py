@@ -212,12 +212,12 @@ def estimate_sharded(opt) -> MemoryBreakdown:  # noqa: ANN001 - a ShardedOptimiz
     require_sharded_optimizer(opt, "estimate_sharded()")
     buffers = []
     group_of = {id(t): g for g, group in enumerate(opt.param_groups) for t in group["params"]}
-    for i, (flat, master) in enumerate(zip(opt.flats, opt.masters)):
-        groups = [0] * len(flat.params)
-        for piece, tensor in zip(flat.pieces, master.pieces):
-            groups[piece.index] = group_of[id(tensor)]
+    groups_of = {id(flat): [0] * len(flat.params) for flat in opt.flats}
+    for piece in opt.shard_state.pieces():
+        groups_of[id(piece.flat)][piece.index] = group_of[id(piece.master)]
+    for i, flat in enumerate(opt.flats):
         root = STAGES[opt.config.stage].shards_parameters and i == len(opt.flats) - 1
-        buffers.append(_Buffer(flat.layout, groups, root=root))
+        buffers.append(_Buffer(flat.layout, groups_of[id(flat)], root=root))
     model = opt.model
     managed = {id(p) for flat in [*opt.flats, *opt.frozen_flats] for p in flat.params}
     unmanaged = [p for p in model.parameters() if id(p) not in managed] if model is not None else []

@@ -18,7 +18,6 @@ holding them keep working), with ``"params"`` re-pointed at master pieces.
 from __future__ import annotations
 
 import logging
-import weakref
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
@@ -35,7 +34,7 @@ from zerolite.optim.grad_clip import clip_coefficient, global_grad_norm
 from zerolite.optim.loss_scale import DynamicLossScaler
 from zerolite.optim.master import MasterShard
 from zerolite.optim.state_dict import load_sharded_state_dict, sharded_state_dict
-from zerolite.unit_scheduler import UNITS_ATTR
+from zerolite.shard_state import ShardState
 
 __all__ = ["ShardedOptimizer", "require_sharded_optimizer"]
 
@@ -55,19 +54,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         masters: one `MasterShard` per flat buffer.
     """
 
-    def __init__(
-        self,
-        optimizer: torch.optim.Optimizer,
-        *,
-        config: ZeroConfig,
-        group: Group,
-        flats: list[FlatParamBuffer],
-        masters: list[MasterShard],
-        reducer: GradReducer,
-        grads: KeepFullGrads | ShardGradsInBackward,
-        layout_digest: str,
-        model: torch.nn.Module,
-    ) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, state: ShardState) -> None:
         # torch.optim.Optimizer.__init__ would rebuild param groups; set up what it sets
         # up instead, and share state and groups with the wrapped optimizer.
         self._optimizer_step_pre_hooks: OrderedDict[int, Callable] = OrderedDict()
@@ -78,18 +65,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._optimizer_load_state_dict_post_hooks: OrderedDict[int, Callable] = OrderedDict()
         self._patch_step_function()
         self.optimizer = optimizer
-        self.config = config
-        self.group = group
-        self.flats = flats
-        self.masters = masters
-        # Stage 3: flat buffers of frozen parameters (sharded; no master, no gradients).
-        self.frozen_flats: list[FlatParamBuffer] = []
-        self._reducer = reducer
-        self._grads = grads
-        # sha256 of what shard() agreed on (config, params, buffers): identifies the layout.
-        self.layout_digest = layout_digest
-        # The sharded model, weakly: memory accounting reads its other parameters.
-        self._model = weakref.ref(model)
+        # Everything shard() built for the model: flat buffers, masters, buckets, scheduler.
+        self.shard_state = state
+        config = state.config
         # fp16 only: scales the loss, unscales gradients, decides skipped steps.
         self.loss_scaler = DynamicLossScaler() if config.param_dtype == torch.float16 else None
         # True when the last step() was skipped because gradients overflowed (fp16).
@@ -128,10 +106,45 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def defaults(self, value: dict[str, Any]) -> None:
         self.optimizer.defaults = value
 
+    # -- the model's ShardState (zerolite.shard_state) ----------------------------------
+    @property
+    def config(self) -> ZeroConfig:
+        return self.shard_state.config
+
+    @property
+    def group(self) -> Group:
+        return self.shard_state.group
+
+    @property
+    def flats(self) -> list[FlatParamBuffer]:
+        return self.shard_state.flats
+
+    @property
+    def masters(self) -> list[MasterShard]:
+        return self.shard_state.masters
+
+    @property
+    def frozen_flats(self) -> list[FlatParamBuffer]:
+        """Stage 3: flat buffers of frozen parameters (sharded; no master, no gradients)."""
+        return self.shard_state.frozen_flats
+
+    @property
+    def layout_digest(self) -> str:
+        """sha256 of what shard() agreed on (config, params, buffers): identifies the layout."""
+        return self.shard_state.layout_digest
+
+    @property
+    def _reducer(self) -> GradReducer:
+        return self.shard_state.reducer
+
+    @property
+    def _grads(self) -> KeepFullGrads | ShardGradsInBackward:
+        return self.shard_state.grads
+
     @property
     def model(self) -> torch.nn.Module | None:
         """The model this optimizer was sharded with (None once it was garbage-collected)."""
-        return self._model()
+        return self.shard_state.model
 
     @property
     def buckets(self) -> list[GradBucket]:
@@ -311,14 +324,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         next use gathers them again), casts the masters into the parameter shards and
         all-gathers replicated (stage 1-2) buffers. Every rank must call.
         """
-        scheduler = getattr(self.model, UNITS_ATTR, None)
-        if scheduler is not None:
-            scheduler.reshard_all()
-        for master in self.masters:
-            master.write_back()
-        gathers = [m.flat.all_gather(self.group) for m in self.masters if m.flat.replicated]
-        for gather in gathers:
-            gather.wait()
+        self.shard_state.publish()
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Not supported after `zerolite.shard`: add every group before sharding."""

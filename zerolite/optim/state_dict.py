@@ -47,11 +47,7 @@ def _group_names(opt: ShardedOptimizer) -> list[list[str]]:
 
     The wrapped optimizer's ``load_state_dict`` matches groups by position; these names
     let a dict saved with the groups in another order be refused by name."""
-    name_of = {
-        id(tensor): flat.names[piece.index]
-        for flat, master in zip(opt.flats, opt.masters)
-        for piece, tensor in zip(flat.pieces, master.pieces)
-    }
+    name_of = {id(piece.master): piece.name for piece in opt.shard_state.pieces()}
     return [
         [name_of[id(t)] for t in group["params"] if id(t) in name_of] for group in opt.param_groups
     ]

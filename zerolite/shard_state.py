@@ -1,0 +1,232 @@
+"""`ShardState`: everything zerolite keeps for one sharded model, in one object.
+
+`zerolite.shard` builds one per model and `register`s it; everything that later needs
+the model's flat buffers, masters, scheduler or meta build finds it with `state_of`
+instead of reading attributes off the user's model. The registry holds the model weakly:
+an entry lives exactly as long as its model. It holds its values strongly, and a value
+that referenced its own model would keep the model alive forever (the registry is a
+global root), so a `ShardState` reaches the model, and the unit scheduler (whose hooks
+hold the modules), only through weak references; the model's own hooks keep the
+scheduler alive.
+
+`pieces` is the one place that walks "this rank's piece of each trained parameter, its
+fp32 master and its optimizer state"; checkpoints, state dicts and estimates read it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import weakref
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from zerolite.collectives import Group
+    from zerolite.config import ZeroConfig
+    from zerolite.flat_buffer import FlatParamBuffer
+    from zerolite.grad_reducer import GradReducer
+    from zerolite.hooks import KeepFullGrads, ShardGradsInBackward
+    from zerolite.layout import ParamPiece
+    from zerolite.meta_init import MetaBuild
+    from zerolite.optim.master import MasterShard
+    from zerolite.optim.sharded_optimizer import ShardedOptimizer
+    from zerolite.unit_scheduler import UnitScheduler
+
+__all__ = ["FrozenPiece", "Piece", "ShardState", "register", "require_state", "state_of"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Piece:
+    """This rank's piece of one trained parameter.
+
+    Attributes:
+        name: the parameter's name in its flat buffer (the first of tied names).
+        index: the parameter's position in ``flat``.
+        param_start, param_end: the piece's element range in the flattened parameter.
+        flat: the flat buffer holding the parameter.
+        offsets: where the piece lies in this rank's shard of ``flat``.
+        master: fp32, 1-D, ``param_end - param_start`` elements: the piece's master,
+            a tensor of the optimizer's param groups.
+        state: the optimizer's state of ``master`` (``{}`` before its first step).
+    """
+
+    name: str
+    index: int
+    param_start: int
+    param_end: int
+    flat: FlatParamBuffer
+    offsets: ParamPiece
+    master: torch.Tensor
+    state: dict[str, Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class FrozenPiece:
+    """Stage 3: this rank's piece of one frozen parameter (no master, no state).
+
+    Attributes:
+        name, index, param_start, param_end, flat, offsets: as in `Piece`.
+        shard: the piece's values, a 1-D view of ``flat.shard`` (``flat.data.dtype``).
+    """
+
+    name: str
+    index: int
+    param_start: int
+    param_end: int
+    flat: FlatParamBuffer
+    offsets: ParamPiece
+    shard: torch.Tensor
+
+
+class ShardState:
+    """What `zerolite.shard` built for one model; one per sharded model.
+
+    Attributes:
+        group: zerolite's data-parallel group.
+        config: the `ZeroConfig` the model was sharded with.
+        inner: the user's optimizer (``param_groups`` hold the master pieces).
+        flats: trained parameters' flat buffers, in gradient-bucket order
+            (``config.param_dtype``; full, or this rank's shard in stage 3).
+        masters: one `MasterShard` (fp32, this rank's shard) per entry of ``flats``.
+        frozen_flats: stage 3: frozen parameters' flat buffers (sharded; no master).
+        reducer: the `GradReducer` over one gradient bucket per entry of ``flats``.
+        grads: the backward hooks feeding ``reducer`` (their ``_handles``).
+        layout_digest: sha256 of what every rank agreed on at `shard()`.
+        meta_build: a meta build's `MetaBuild` until its first forward passes, else None.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        group: Group,
+        config: ZeroConfig,
+        inner: torch.optim.Optimizer,
+        flats: list[FlatParamBuffer],
+        masters: list[MasterShard],
+        frozen_flats: list[FlatParamBuffer],
+        reducer: GradReducer,
+        grads: KeepFullGrads | ShardGradsInBackward,
+        scheduler: UnitScheduler | None,
+        layout_digest: str,
+        meta_build: MetaBuild | None,
+    ) -> None:
+        self.group = group
+        self.config = config
+        self.inner = inner
+        self.flats = flats
+        self.masters = masters
+        self.frozen_flats = frozen_flats
+        self.reducer = reducer
+        self.grads = grads
+        self.layout_digest = layout_digest
+        self.meta_build = meta_build
+        # Weak: see the module docstring (the model's hooks keep the scheduler alive).
+        self._model = weakref.ref(model)
+        self._scheduler = None if scheduler is None else weakref.ref(scheduler)
+        # Weak too: the optimizer holds this state, and a cycle would outlive the model's
+        # registry entry until the next garbage collection. The entry holds it strongly.
+        self._optimizer: weakref.ref[ShardedOptimizer] | None = None
+
+    @property
+    def optimizer(self) -> ShardedOptimizer | None:
+        """The `ShardedOptimizer` `shard()` returned (None until it is built)."""
+        return None if self._optimizer is None else self._optimizer()
+
+    @optimizer.setter
+    def optimizer(self, value: ShardedOptimizer) -> None:
+        self._optimizer = weakref.ref(value)
+
+    @property
+    def model(self) -> nn.Module | None:
+        """The sharded model (None once it was garbage-collected)."""
+        return self._model()
+
+    @property
+    def scheduler(self) -> UnitScheduler | None:
+        """Stage 3's `UnitScheduler` (None in stages 1-2, or once the model is gone)."""
+        return None if self._scheduler is None else self._scheduler()
+
+    def pieces(self) -> Iterator[Piece]:
+        """This rank's piece of every trained parameter: buffer by buffer, in layout order."""
+        state = self.inner.state
+        for flat, master in zip(self.flats, self.masters):
+            for piece, tensor in zip(flat.pieces, master.pieces):
+                yield Piece(
+                    name=flat.names[piece.index],
+                    index=piece.index,
+                    param_start=piece.param_start,
+                    param_end=piece.param_end,
+                    flat=flat,
+                    offsets=piece,
+                    master=tensor,
+                    state=state.get(tensor, {}),
+                )
+
+    def frozen_pieces(self) -> Iterator[FrozenPiece]:
+        """Stage 3: this rank's piece of every frozen parameter, in layout order."""
+        for flat in self.frozen_flats:
+            for piece in flat.pieces:
+                yield FrozenPiece(
+                    name=flat.names[piece.index],
+                    index=piece.index,
+                    param_start=piece.param_start,
+                    param_end=piece.param_end,
+                    flat=flat,
+                    offsets=piece,
+                    shard=flat.shard[piece.shard_start : piece.shard_start + piece.numel],
+                )
+
+    def publish(self) -> None:
+        """Make the parameters show masters and shards written outside a step (a load).
+
+        Frees stage-3 units that were gathered (their full copies predate the write),
+        casts the masters into the parameter shards and all-gathers replicated (stage
+        1-2) buffers. Every rank must call.
+        """
+        scheduler = self.scheduler
+        if scheduler is not None:
+            scheduler.reshard_all()
+        for master in self.masters:
+            master.write_back()
+        gathers = [m.flat.all_gather(self.group) for m in self.masters if m.flat.replicated]
+        for gather in gathers:
+            gather.wait()
+
+
+# id(model) -> (weak reference to the model, its state, its ShardedOptimizer). Like a
+# `weakref.WeakKeyDictionary`, an entry goes when its model does, but keyed by identity: a
+# module class may define ``__eq__`` (two equal models are still two models) or be
+# unhashable. The entry keeps the optimizer alive as long as the model, as `shard()`
+# promises (`gathered_parameters(model)` needs it after the user dropped theirs).
+_REGISTRY: dict[int, tuple[weakref.ref[nn.Module], ShardState, object]] = {}
+
+
+def register(model: nn.Module, state: ShardState) -> None:
+    """Record ``state`` (and its ``optimizer``) as ``model``'s (by `zerolite.shard`, once)."""
+    key = id(model)
+
+    def forget(ref: weakref.ref[nn.Module]) -> None:
+        if _REGISTRY.get(key, (None,))[0] is ref:  # not a later model given the same id
+            del _REGISTRY[key]
+
+    _REGISTRY[key] = (weakref.ref(model, forget), state, state.optimizer)
+
+
+def state_of(model: object) -> ShardState | None:
+    """``model``'s `ShardState`, or None if `zerolite.shard` never sharded it."""
+    entry = _REGISTRY.get(id(model))
+    if entry is None or entry[0]() is not model:
+        return None
+    return entry[1]
+
+
+def require_state(model: object, caller: str, fix: str = "") -> ShardState:
+    """``model``'s `ShardState`; else ``ValueError("{caller} needs a model sharded ...{fix}")``."""
+    state = state_of(model)
+    if state is None:
+        raise ValueError(f"{caller} needs a model sharded by zerolite.shard(){fix}")
+    return state
