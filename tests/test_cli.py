@@ -25,7 +25,7 @@ from torch import nn
 import zerolite
 import zerolite.cli
 from zerolite import checkpoint as ckpt
-from zerolite.memory.estimate import _OPTIMIZERS
+from zerolite.optim.registry import NAMED
 from zerolite.testing import run_ranks
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -195,9 +195,9 @@ def test_estimate_bad_values(capsys):
 def test_estimate_optimizer_names_come_from_the_estimator(capsys):
     err = _assert_one_line(_main(capsys, "estimate", *COUNT, "--optimizer", "lion"),
                            "estimate", "'lion'")
-    for name in _OPTIMIZERS:
+    for name in NAMED:
         assert repr(name) in err, err
-    for name in _OPTIMIZERS:  # and every one of them works
+    for name in NAMED:  # and every one of them works
         code, out, err = _main(capsys, "estimate", *COUNT, "--optimizer", name)
         assert code == 0 and err == "", (name, out, err)
         assert "1,000,000,000 parameters, 2 ranks" in out, out

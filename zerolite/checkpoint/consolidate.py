@@ -36,7 +36,7 @@ from zerolite.checkpoint.format import (
     read_index,
 )
 
-__all__ = ["consolidate", "dtype_arg", "inspect", "verify"]
+__all__ = ["consolidate", "inspect", "verify"]
 
 _SAFETENSORS_DTYPE = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
@@ -227,10 +227,3 @@ def _check_written(out_file: Path, entries: list[tuple[str, list[int], torch.dty
                 raise CheckpointError(f"{out_file}: {name!r} did not come out as written")
             if f.get_slice(name).get_dtype() != _SAFETENSORS_DTYPE[out_dtype]:
                 raise CheckpointError(f"{out_file}: {name!r} has the wrong dtype")
-
-
-def dtype_arg(text: str) -> torch.dtype:
-    """``--dtype`` values: bf16, fp16, fp32 or a torch dtype name."""
-    aliases = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
-    return dtype_from_name(aliases.get(text, text))
-

@@ -38,9 +38,6 @@ from zerolite.zero import plan_layout
 
 __all__ = ["estimate", "state_bytes"]
 
-# The optimizer names `estimate` accepts (`zerolite.optim.registry.NAMED`; tests read it here).
-_OPTIMIZERS = NAMED
-
 
 def state_bytes(optimizer: torch.optim.Optimizer, group: dict) -> tuple[int, int]:
     """(bytes per element, bytes of 0-dim scalars) of ``optimizer``'s state for one tensor."""
