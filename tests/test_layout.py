@@ -4,7 +4,7 @@ import itertools
 
 import pytest
 
-from zerolite.layout import FlatLayout, bucket_partition
+from zerolite.layout import FlatLayout, size_partition
 
 SIZES = [
     (1,),
@@ -72,11 +72,11 @@ def test_invalid_layouts_raise(bad):
 @pytest.mark.parametrize(
     "sizes,capacity", list(itertools.product([[1, 2, 3, 4], [10, 1, 1, 10], [5]], [1, 3, 6, 100]))
 )
-def test_bucket_partition(sizes, capacity):
-    runs = bucket_partition(sizes, capacity)
+def test_size_partition(sizes, capacity):
+    runs = size_partition(sizes, capacity)
     assert [i for run in runs for i in run] == list(range(len(sizes)))
     for run in runs:
         assert run
         assert len(run) == 1 or sum(sizes[i] for i in run) <= capacity
     with pytest.raises(ValueError):
-        bucket_partition(sizes, 0)
+        size_partition(sizes, 0)

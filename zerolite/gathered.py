@@ -120,18 +120,13 @@ def iter_full_state_dict(
     for name, tensor in entries.items():
         names_of.setdefault(id(tensor), []).append(name)
     done: set[int] = set()
-    for i, flats in enumerate(scheduler.flats):
-        if not flats:
-            continue
-        was_gathered = scheduler.is_unsharded(i)
-        scheduler.unshard(i)
-        for p in (p for flat in flats for p in flat.params):
-            copy = _copy(p, to_cpu)
-            for name in names_of.get(id(p), []):
-                yield name, copy
-            done.add(id(p))
-        if not was_gathered:
-            scheduler.reshard(i)
+    for i in range(state.num_units):
+        with state.gather(i) as flats:
+            for p in (p for flat in flats for p in flat.params):
+                copy = _copy(p, to_cpu)
+                for name in names_of.get(id(p), []):
+                    yield name, copy
+                done.add(id(p))
     for name, tensor in entries.items():
         if id(tensor) not in done:
             yield name, _copy(tensor, to_cpu)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-__all__ = ["FlatLayout", "ParamPiece", "bucket_partition"]
+__all__ = ["FlatLayout", "ParamPiece", "size_partition"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,7 +103,7 @@ class FlatLayout:
         return out
 
 
-def bucket_partition(sizes: Sequence[int], capacity: int) -> list[list[int]]:
+def size_partition(sizes: Sequence[int], capacity: int) -> list[list[int]]:
     """Split item indices, in order, into consecutive runs of total size <= ``capacity``.
 
     An item larger than ``capacity`` gets a run of its own; no run is empty.

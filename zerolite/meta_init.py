@@ -58,7 +58,7 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import nn
 
-from zerolite import phases
+from zerolite import phase_events
 from zerolite.collectives import Group, broadcast
 from zerolite.config import ZeroConfig
 from zerolite.flat_buffer import FlatParamBuffer
@@ -253,7 +253,7 @@ def _init_error(name: str, module: nn.Module, init_fn: object, why: str) -> Runt
 @torch.no_grad()
 def materialize(
     model: nn.Module,
-    buckets: list[list[tuple[str, nn.Parameter]]],
+    flat_params: list[list[tuple[str, nn.Parameter]]],
     closed_by: dict[int, list[int]],
     make_flat: Callable[[int], FlatParamBuffer],
     *,
@@ -269,7 +269,7 @@ def materialize(
 
     Args:
         model: built on meta; its managed parameters are all on meta.
-        buckets: each flat buffer's ``(name, param)`` list, in buffer index order.
+        flat_params: each flat buffer's ``(name, param)`` list, in buffer index order.
         closed_by: ``id(module) -> buffer indices`` complete once that module (a
             stage-3 unit) and its children are initialised; others complete at the end.
         make_flat: ``index -> FlatParamBuffer`` allocated and bound to its parameters.
@@ -282,34 +282,34 @@ def materialize(
         kept in the model's `zerolite.shard_state.ShardState`; `check_before_first_forward`
         arms the check).
     """
-    bucket_of = {id(p): i for i, bucket in enumerate(buckets) for _, p in bucket}
-    flats: list[FlatParamBuffer | None] = [None] * len(buckets)
+    flat_of = {id(p): i for i, params in enumerate(flat_params) for _, p in params}
+    flats: list[FlatParamBuffer | None] = [None] * len(flat_params)
     opened: set[int] = set()
     closed: set[int] = set()
     sealed: list[FlatParamBuffer] = []  # sharded already: initialisers must not write them
     uninitialised: dict[str, str] = {}
     initialised_modules: set[int] = set()
 
-    def open_bucket(i: int) -> None:
+    def open_flat(i: int) -> None:
         opened.add(i)
-        if all(p.dtype == param_dtype for _, p in buckets[i]):
+        if all(p.dtype == param_dtype for _, p in flat_params[i]):
             flats[i] = make_flat(i)  # binding copies the NaN placeholders in
         else:
-            for _, p in buckets[i]:
+            for _, p in flat_params[i]:
                 p.data = _nan_like(p, device)
 
-    def close_bucket(i: int) -> None:
+    def close_flat(i: int) -> None:
         if i not in opened:
-            open_bucket(i)
+            open_flat(i)
         closed.add(i)
         flat = flats[i] = flats[i] if flats[i] is not None else make_flat(i)
-        for name, p in buckets[i]:
+        for name, p in flat_params[i]:
             if p.isnan().any():
                 uninitialised[name] = "parameter"
         if shard:
             flat.shard_only()
             sealed.append(flat)
-        phases.sample(
+        phase_events.sample(
             sum(
                 f.data.untyped_storage().nbytes() + (0 if f.replicated else f.shard.nbytes)
                 for f in flats
@@ -318,7 +318,7 @@ def materialize(
         )
 
     swapped = _swap_in_placeholders(model, device)
-    whole = {id(p) for p in swapped if id(p) not in bucket_of}  # not sharded: full on every rank
+    whole = {id(p) for p in swapped if id(p) not in flat_of}  # not sharded: full on every rank
     made_buffers: dict[int, torch.Tensor] = {}
     held: set[int] = set()  # parameters whose first holder has been initialised
     buffer_owner: dict[int, int] = {}
@@ -327,8 +327,8 @@ def materialize(
             for p in module._parameters.values():
                 if p is None:
                     continue
-                if id(p) in bucket_of and bucket_of[id(p)] not in opened:
-                    open_bucket(bucket_of[id(p)])
+                if id(p) in flat_of and flat_of[id(p)] not in opened:
+                    open_flat(flat_of[id(p)])
                 elif id(p) in whole:
                     whole.discard(id(p))
                     p.data = _nan_like(p, device)
@@ -356,12 +356,12 @@ def materialize(
             module._parameters.update(tied)
             held.update(id(p) for p in module._parameters.values() if p is not None)
             for i in closed_by.get(id(module), []):
-                close_bucket(i)
-        for i in range(len(buckets)):
+                close_flat(i)
+        for i in range(len(flat_params)):
             if i not in closed:
-                close_bucket(i)
+                close_flat(i)
     _check_unsharded(
-        model, bucket_of, made_buffers, buffer_owner, initialised_modules, uninitialised
+        model, flat_of, made_buffers, buffer_owner, initialised_modules, uninitialised
     )
     return [f for f in flats if f is not None], MetaBuild(uninitialised)
 
@@ -384,7 +384,7 @@ def check_before_first_forward(model: nn.Module, build: MetaBuild | None) -> Non
 
 def _check_unsharded(
     model: nn.Module,
-    bucket_of: dict[int, int],
+    flat_of: dict[int, int],
     made_buffers: dict[int, torch.Tensor],
     buffer_owner: dict[int, int],
     initialised_modules: set[int],
@@ -393,7 +393,7 @@ def _check_unsharded(
     """Record uninitialised whole parameters and buffers; send non-persistent ones back to meta."""
     made = {id(b) for b in made_buffers.values()}
     for name, p in model.named_parameters():
-        if id(p) not in bucket_of and p.is_floating_point() and p.isnan().any():
+        if id(p) not in flat_of and p.is_floating_point() and p.isnan().any():
             uninitialised[name] = "parameter"
     for prefix, module in model.named_modules():
         for key, b in list(module._buffers.items()):

@@ -15,9 +15,10 @@ fp32 master and its optimizer state"; checkpoints, state dicts and estimates rea
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -35,7 +36,15 @@ if TYPE_CHECKING:
     from zerolite.optim.sharded_optimizer import ShardedOptimizer
     from zerolite.unit_scheduler import UnitScheduler
 
-__all__ = ["FrozenPiece", "Piece", "ShardState", "register", "require_state", "state_of"]
+__all__ = [
+    "FrozenPiece",
+    "Piece",
+    "ShardState",
+    "pieces_of",
+    "register",
+    "require_state",
+    "state_of",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,6 +88,27 @@ class FrozenPiece:
     flat: FlatParamBuffer
     offsets: ParamPiece
     shard: torch.Tensor
+
+
+def pieces_of(masters: list[MasterShard], optimizer_state: Mapping[Any, Any]) -> Iterator[Piece]:
+    """This rank's piece of every parameter of ``masters``' flat buffers, in layout order.
+
+    `ShardState.pieces` with the state spelled out: `shard()` needs it before the state
+    exists, to re-point the optimizer at the pieces.
+    """
+    for master in masters:
+        flat = master.flat
+        for piece, tensor in zip(flat.pieces, master.pieces):
+            yield Piece(
+                name=flat.names[piece.index],
+                index=piece.index,
+                param_start=piece.param_start,
+                param_end=piece.param_end,
+                flat=flat,
+                offsets=piece,
+                master=tensor,
+                state=optimizer_state.get(tensor, {}),
+            )
 
 
 class ShardState:
@@ -152,19 +182,7 @@ class ShardState:
 
     def pieces(self) -> Iterator[Piece]:
         """This rank's piece of every trained parameter: buffer by buffer, in layout order."""
-        state = self.inner.state
-        for flat, master in zip(self.flats, self.masters):
-            for piece, tensor in zip(flat.pieces, master.pieces):
-                yield Piece(
-                    name=flat.names[piece.index],
-                    index=piece.index,
-                    param_start=piece.param_start,
-                    param_end=piece.param_end,
-                    flat=flat,
-                    offsets=piece,
-                    master=tensor,
-                    state=state.get(tensor, {}),
-                )
+        return pieces_of(self.masters, self.inner.state)
 
     def frozen_pieces(self) -> Iterator[FrozenPiece]:
         """Stage 3: this rank's piece of every frozen parameter, in layout order."""
@@ -179,6 +197,36 @@ class ShardState:
                     offsets=piece,
                     shard=flat.shard[piece.shard_start : piece.shard_start + piece.numel],
                 )
+
+    @property
+    def num_units(self) -> int:
+        """Stage 3: how many units `gather` takes (the root last); 0 in stages 1-2."""
+        scheduler = self.scheduler
+        return 0 if scheduler is None else len(scheduler.flats)
+
+    @contextlib.contextmanager
+    def gather(self, unit: int) -> Iterator[list[FlatParamBuffer]]:
+        """Stage 3: unit ``unit``'s parameters hold their full, current values in the block.
+
+        Yields the unit's flat buffers (trained, then frozen). A unit that was not
+        gathered on entry is freed on exit; one that was (a forward in progress) stays.
+        Every rank must enter, for the same units in the same order (each is an
+        all-gather).
+        """
+        scheduler = self.scheduler
+        if scheduler is None:
+            raise RuntimeError(
+                "ShardState.gather() is for stage 3, whose parameters are sharded; in stages "
+                "1-2 every parameter is always full"
+            )
+        scheduler.refresh_stale(unit)
+        was_gathered = scheduler.is_unsharded(unit)
+        scheduler.unshard(unit)
+        try:
+            yield scheduler.flats[unit]
+        finally:
+            if not was_gathered:
+                scheduler.reshard(unit)
 
     def publish(self) -> None:
         """Make the parameters show masters and shards written outside a step (a load).

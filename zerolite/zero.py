@@ -4,8 +4,8 @@ Nothing is modified until every rank has validated its inputs and all ranks agre
 the plan (`zerolite.consensus`). Then:
 
 - managed parameters (those the optimizer holds and that require grad) are packed into
-  flat buffers of about ``bucket_size_mb``, in reverse registration order (roughly the
-  order backward produces gradients), and rank 0's values are broadcast, as DDP does
+  flat buffers of about ``bucket_size_mb`` (`zerolite.plan`), in reverse registration
+  order (roughly the order backward produces gradients); rank 0's values are broadcast, as DDP does
   (a model built on the meta device is materialised and initialised instead, unit by
   unit, see `zerolite.meta_init`);
 - the optimizer's param groups are re-pointed at fp32 master pieces and any existing
@@ -18,7 +18,6 @@ the plan (`zerolite.consensus`). Then:
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import logging
 import weakref
@@ -27,7 +26,7 @@ from typing import cast
 import torch
 from torch import nn
 
-from zerolite import phases
+from zerolite import phase_events
 from zerolite.bucket import GradBucket
 from zerolite.collectives import Group, broadcast, broadcast_coalesced
 from zerolite.compile_guard import exclude_from_compile, not_compiled
@@ -36,99 +35,23 @@ from zerolite.consensus import agreed
 from zerolite.flat_buffer import FlatParamBuffer
 from zerolite.grad_reducer import GradReducer
 from zerolite.hooks import KeepFullGrads, ShardGradsInBackward
-from zerolite.layout import bucket_partition
 from zerolite.meta_init import (
     check_before_first_forward,
-    check_meta_build,
-    check_nothing_on_meta,
     materialize,
-    materialize_device,
 )
-from zerolite.optim.contract import check_optimizer
+from zerolite.model_changes import guard_conversions, install_no_sync
 from zerolite.optim.master import MasterShard
+from zerolite.optim.repoint import repoint_optimizer
 from zerolite.optim.sharded_optimizer import ShardedOptimizer
-from zerolite.params import guard_conversions, install_no_sync
-from zerolite.shard_state import ShardState, register, state_of
+from zerolite.plan import ShardPlan, plan_layout
+from zerolite.shard_state import ShardState, pieces_of, register
 from zerolite.stages import STAGES
 from zerolite.unit_scheduler import UnitScheduler
-from zerolite.units import Unit, find_units
+from zerolite.units import Unit
 
 __all__ = ["shard"]
 
 logger = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass
-class _Plan:
-    """Everything `shard()` decided, before anything is modified."""
-
-    device: torch.device
-    buckets: list[list[tuple[str, nn.Parameter]]]  # per flat buffer: (name, param), buffer order
-    group_of: dict[int, int]  # id(param) -> index of its optimizer param group
-    # (group index, param) held by the optimizer, not trainable
-    frozen: list[tuple[int, nn.Parameter]]
-    units: list[Unit] | None = None  # stage 3: the units, root last
-    # stage 3
-    frozen_buckets: list[list[tuple[str, nn.Parameter]]] = dataclasses.field(default_factory=list)
-    on_meta: bool = False  # built under torch.device("meta"): materialised by zerolite.meta_init
-
-    @property
-    def all_buckets(self) -> list[list[tuple[str, nn.Parameter]]]:
-        """Every flat buffer's parameters in index order: trained buffers (whose indices
-        are also the gradient buckets'), then stage 3's frozen ones."""
-        return [*self.buckets, *self.frozen_buckets]
-
-    def unit_buffers(self) -> list[list[int]]:
-        """Stage 3: each unit's buffer indices (trained, then frozen), root last."""
-        index_of = {id(bucket[0][1]): i for i, bucket in enumerate(self.all_buckets)}
-        return [
-            [index_of[id(ps[0][1])] for ps in (u.params, u.frozen) if ps] for u in self.units or []
-        ]
-
-    def describe(
-        self, config: ZeroConfig, optimizer: torch.optim.Optimizer, model: nn.Module
-    ) -> list[str]:
-        """One line per fact every rank must agree on: the config, the optimizer and its
-        groups, every parameter (sharded or not) and every buffer, the flat buffers, the units."""
-        lines = [
-            f"config: stage={config.stage} param_dtype={config.param_dtype} "
-            f"reduce_dtype={config.reduce_dtype} bucket_size_mb={config.bucket_size_mb}",
-            f"optimizer: {type(optimizer).__qualname__} with {len(optimizer.param_groups)} groups",
-        ]
-        if self.on_meta:
-            init_fn = config.init_fn
-            lines.append(
-                f"meta build on {self.device.type}: "
-                f"init_fn={getattr(init_fn, '__qualname__', init_fn)!r}"
-            )
-        for g, group in enumerate(optimizer.param_groups):
-            hyper = {k: v for k, v in group.items() if k != "params"}
-            lines.append(f"group {g}: {sorted((k, repr(v)) for k, v in hyper.items())}")
-        in_model_order = reversed([item for bucket in self.buckets for item in bucket])
-        for name, p in in_model_order:
-            lines.append(f"param {name}: shape={tuple(p.shape)} group={self.group_of[id(p)]}")
-        sharded = {id(p) for bucket in self.all_buckets for _, p in bucket}
-        for name, p in model.named_parameters():
-            if id(p) not in sharded:
-                lines.append(f"unsharded param {name}: shape={tuple(p.shape)} dtype={p.dtype} "
-                             f"requires_grad={p.requires_grad}")
-        for prefix, module in model.named_modules():
-            for key, buf in module._buffers.items():
-                if buf is not None:
-                    persistent = key not in module._non_persistent_buffers_set
-                    lines.append(
-                        f"module buffer {prefix + '.' if prefix else ''}{key}: "
-                        f"shape={tuple(buf.shape)} dtype={buf.dtype} persistent={persistent}"
-                    )
-        for b, bucket in enumerate(self.buckets):
-            lines.append(f"buffer {b}: params {[n for n, _ in bucket]}")
-        for unit in self.units or []:
-            lines.append(
-                f"unit {unit.name!r}: {type(unit.module).__name__}, frozen "
-                f"{[n for n, _ in unit.frozen]}"
-            )
-            lines += [f"frozen {n}: shape={tuple(p.shape)}" for n, p in unit.frozen]
-        return lines
 
 
 def shard(
@@ -174,114 +97,16 @@ def shard(
     """
     config = ZeroConfig() if config is None else config
     group = Group(config.process_group, collectives=config.collectives, timeout_s=config.timeout_s)
-    plan: _Plan | None = None
+    plan: ShardPlan | None = None
     # Raises on every rank if any rank failed or ranks describe different plans.
     with agreed("zerolite.shard()", group) as lines:
         plan = plan_layout(model, optimizer, config)
         lines += plan.describe(config, optimizer, model)
     digest = hashlib.sha256("\n".join(lines).encode()).hexdigest()
-    with phases.phase("build"):
-        sharded = _build(model, optimizer, config, group, cast(_Plan, plan), digest)
-    phases.built(sharded)
+    with phase_events.phase("build"):
+        sharded = _build(model, optimizer, config, group, cast(ShardPlan, plan), digest)
+    phase_events.built(sharded)
     return sharded
-
-
-def plan_layout(model: nn.Module, optimizer: torch.optim.Optimizer, config: ZeroConfig) -> _Plan:
-    """Validate the inputs of `shard` and decide its flat buffers; modifies nothing.
-
-    Used by `shard` and by `zerolite.memory.estimate`.
-    """
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"shard() needs an nn.Module as model, got {type(model).__name__}")
-    if isinstance(optimizer, ShardedOptimizer):
-        raise TypeError("this optimizer is already a ShardedOptimizer; call shard() once per model")
-    if state_of(model) is not None:
-        raise RuntimeError(
-            "this model was already sharded by zerolite.shard(); shard() may be called once per "
-            "model (build a new model and optimizer to shard again)"
-        )
-    check_optimizer(optimizer, config.elementwise_optimizers)
-    policy = STAGES[config.stage]
-    if not policy.shards_optimizer_state:
-        raise ValueError(
-            "ZeroConfig.stage=0 means plain DDP and is only meaningful to the memory estimator; "
-            "shard() accepts stages 1, 2 and 3"
-        )
-    names = {id(p): n for n, p in model.named_parameters()}
-    group_of: dict[int, int] = {}
-    frozen: list[tuple[int, nn.Parameter]] = []
-    for g, param_group in enumerate(optimizer.param_groups):
-        for i, p in enumerate(param_group["params"]):
-            where = f"optimizer.param_groups[{g}]['params'][{i}] (shape {tuple(p.shape)})"
-            if id(p) not in names:
-                raise ValueError(
-                    f"{where} is not a parameter of the model passed to shard(); build the "
-                    "optimizer from this model's parameters"
-                )
-            if id(p) in group_of:
-                raise ValueError(
-                    f"{where} ({names[id(p)]!r}) appears in more than one place in the optimizer"
-                )
-            if not p.is_floating_point():
-                raise ValueError(
-                    f"{where} ({names[id(p)]!r}) has dtype {p.dtype}; only floating parameters "
-                    f"can be sharded"
-                )
-            if p.requires_grad:
-                group_of[id(p)] = g
-            else:
-                frozen.append((g, p))
-    managed = [(n, p) for n, p in model.named_parameters() if id(p) in group_of]
-    if not managed:
-        raise ValueError(
-            "the optimizer holds no trainable parameter of the model; nothing to shard"
-        )
-    _refuse_sparse_gradients(model, group_of)
-    devices = {p.device for _, p in managed}
-    if len(devices) > 1:
-        by_device: dict[torch.device, str] = {}
-        for n, p in managed:
-            by_device.setdefault(p.device, n)
-        listed = ", ".join(f"{n!r} on {d}" for d, n in by_device.items())
-        raise ValueError(
-            f"parameters are on mixed devices ({listed}); move the whole model to one device "
-            "before shard()"
-        )
-    source = devices.pop()
-    on_meta = source.type == "meta"
-    if on_meta:
-        check_meta_build(model, optimizer, config)
-        device = config.device if config.device is not None else materialize_device(config)
-    else:
-        check_nothing_on_meta(model, source)
-        device = config.device if config.device is not None else source
-    if policy.shards_parameters:
-        # One flat buffer per unit, in the order backward completes them: the blocks in
-        # reverse, then the root (its embedding's gradient is the last to arrive). Frozen
-        # parameters are sharded too (a frozen base model is not replicated), in a
-        # second buffer per unit without master or gradients.
-        frozen_params = [
-            (n, p)
-            for n, p in model.named_parameters()
-            if not p.requires_grad and p.is_floating_point()
-        ]
-        if any(p.device != source for _, p in frozen_params):
-            raise ValueError(
-                "frozen parameters are on another device than the trained ones; move the whole "
-                "model first"
-            )
-        units = find_units(
-            model, {id(p): n for n, p in [*managed, *frozen_params]}, config.unit_modules
-        )
-        ordered_units = [*reversed(units[:-1]), units[-1]]
-        buckets = [u.params for u in ordered_units if u.params]
-        return _Plan(device=device, buckets=buckets, group_of=group_of, frozen=frozen, units=units,
-                     frozen_buckets=[u.frozen for u in units if u.frozen], on_meta=on_meta)
-    itemsize = torch.empty(0, dtype=config.param_dtype).element_size()
-    ordered = list(reversed(managed))  # roughly the order in which backward yields gradients
-    runs = bucket_partition([p.numel() * itemsize for _, p in ordered], config.bucket_bytes)
-    buckets = [[ordered[i] for i in run] for run in runs]
-    return _Plan(device=device, buckets=buckets, group_of=group_of, frozen=frozen, on_meta=on_meta)
 
 
 def _build(
@@ -289,15 +114,15 @@ def _build(
     optimizer: torch.optim.Optimizer,
     config: ZeroConfig,
     group: Group,
-    plan: _Plan,
+    plan: ShardPlan,
     layout_digest: str,
 ) -> ShardedOptimizer:
     policy = STAGES[config.stage]
-    all_buckets = plan.all_buckets
+    all_flat_params = plan.all_flat_params
     unit_buffers = plan.unit_buffers()
 
     def make_flat(index: int) -> FlatParamBuffer:
-        return _bound_flat(all_buckets[index], index, group, config, plan.device)
+        return _bound_flat(all_flat_params[index], index, group, config, plan.device)
 
     meta_build = None
     if plan.on_meta:
@@ -305,13 +130,13 @@ def _build(
         # A unit is complete once its module is initialised (the root: at the end).
         closed_by = {id(u.module): b for u, b in zip((plan.units or [])[:-1], unit_buffers)}
         all_flats, meta_build = materialize(
-            model, all_buckets, closed_by, make_flat,
+            model, all_flat_params, closed_by, make_flat,
             param_dtype=config.param_dtype, device=plan.device, shard=policy.shards_parameters,
             init_fn=config.init_fn, group=group,
         )
     else:
         # Every rank starts from rank 0's values, as with DDP.
-        all_flats = [make_flat(index) for index in range(len(all_buckets))]
+        all_flats = [make_flat(index) for index in range(len(all_flat_params))]
         for flat in all_flats:
             broadcast(
                 flat.data,
@@ -330,9 +155,12 @@ def _build(
             [*unsharded, *model.buffers()], 0, group,
             what="shard()'s broadcast of rank 0's unsharded parameters and buffers",
         )
-    flats, frozen_flats = all_flats[: len(plan.buckets)], all_flats[len(plan.buckets) :]
+    flats, frozen_flats = all_flats[: len(plan.flat_params)], all_flats[len(plan.flat_params) :]
     masters = [MasterShard(flat) for flat in flats]
-    _repoint_optimizer(optimizer, plan, flats, masters)
+    repoint_optimizer(
+        optimizer, pieces_of(masters, optimizer.state), plan.group_of,
+        [p for _, p in plan.frozen],
+    )
     for flat in flats:
         for p in flat.params:
             p.grad = None
@@ -455,58 +283,3 @@ def _schedule_units(
     # calls backward; they must not be traced (see zerolite.compile_guard).
     grads.on_backward_end = not_compiled(on_backward_end)
     return scheduler
-
-
-@torch.no_grad()
-def _repoint_optimizer(
-    optimizer: torch.optim.Optimizer,
-    plan: _Plan,
-    flats: list[FlatParamBuffer],
-    masters: list[MasterShard],
-) -> None:
-    """Replace each group's ``"params"`` by this rank's master pieces; re-shard state."""
-    new_params: list[list[torch.Tensor]] = [[] for _ in optimizer.param_groups]
-    for flat, master in zip(flats, masters):
-        for piece, tensor in zip(flat.pieces, master.pieces):
-            param = flat.params[piece.index]
-            new_params[plan.group_of[id(param)]].append(tensor)
-            old = optimizer.state.get(param)
-            if old:
-                optimizer.state[tensor] = {
-                    key: _slice_state(key, value, param, piece.param_start, piece.param_end)
-                    for key, value in old.items()
-                }
-    for flat in flats:
-        for param in flat.params:
-            optimizer.state.pop(param, None)
-    for _, param in plan.frozen:
-        optimizer.state.pop(param, None)
-    for param_group, params in zip(optimizer.param_groups, new_params):
-        param_group["params"] = params
-
-
-# 0-dim state that is never per-element, even for a 0-dim parameter.
-_SCALAR_STATE = frozenset({"step", "eta", "mu", "mu_product"})
-
-
-def _slice_state(key: str, value: object, param: torch.Tensor, start: int, end: int) -> object:
-    """A state entry for one piece: per-element tensors sliced (fp32), scalars copied."""
-    if isinstance(value, torch.Tensor):
-        if value.shape == param.shape and key not in _SCALAR_STATE:
-            out = value.detach().reshape(-1)[start:end].clone()
-            return out.float() if out.is_floating_point() else out
-        return value.detach().clone()
-    return value
-
-
-def _refuse_sparse_gradients(model: nn.Module, trained: dict[int, int]) -> None:
-    # A sparse gradient cannot enter a dense flat gradient bucket; without this check it
-    # fails deep inside the first backward.
-    for name, module in model.named_modules():
-        sparse = isinstance(module, (nn.Embedding, nn.EmbeddingBag)) and module.sparse
-        if sparse and id(module.weight) in trained:
-            raise ValueError(
-                f"{name or 'the model'} ({type(module).__name__}) has sparse=True, so its weight "
-                "gets sparse gradients, which zerolite cannot shard; build it with sparse=False, "
-                "or freeze it"
-            )

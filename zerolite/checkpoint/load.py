@@ -25,7 +25,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from zerolite import phases
+from zerolite import phase_events
 from zerolite.checkpoint.format import (
     LATEST,
     CheckpointError,
@@ -232,7 +232,7 @@ def load(
             schedulers (number or classes) than at save.
     """
     optimizer = require_sharded_optimizer(optimizer, "zerolite.checkpoint.load()")
-    with phases.phase("load"):
+    with phase_events.phase("load"):
         extra = _load(Path(path), model, optimizer, schedulers)
     mark_loaded(model, None)
     return extra

@@ -19,7 +19,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from zerolite import phases
+from zerolite import phase_events
 from zerolite.checkpoint.format import CheckpointError
 from zerolite.checkpoint.save import model_only_tensors, state_dict_names
 from zerolite.consensus import agreed
@@ -158,7 +158,7 @@ def load_pretrained(
             does not name for it (the map decides; a disagreeing file is an error).
     """
     opt = require_state(model, "load_pretrained()", "; call shard() first").optimizer
-    with phases.phase("load"):
+    with phase_events.phase("load"):
         _load(model, opt, files, strict)
 
 
@@ -198,23 +198,19 @@ def _plan(
     missing: list[str] = []
     loaded: list[str] = []
     used: set[str] = set()
-    for flat, pieces in [(m.flat, m.pieces) for m in opt.masters] + [
-        (f, None) for f in opt.frozen_flats
-    ]:
-        keys = [source(name, p) for name, p in zip(flat.names, flat.params)]
-        missing += [name for name, key in zip(flat.names, keys) if key is None]
-        loaded += [name for name, key in zip(flat.names, keys) if key is not None]
-        used.update(key for key in keys if key is not None)
-        for k, piece in enumerate(flat.pieces):
-            key = keys[piece.index]
-            if key is None:
-                continue
+    state = opt.shard_state
+    keys: dict[int, list[str | None]] = {}  # id(flat) -> each parameter's key in the files
+    for flat in [*state.flats, *state.frozen_flats]:
+        keys[id(flat)] = [source(name, p) for name, p in zip(flat.names, flat.params)]
+        missing += [name for name, key in zip(flat.names, keys[id(flat)]) if key is None]
+        loaded += [name for name, key in zip(flat.names, keys[id(flat)]) if key is not None]
+        used.update(key for key in keys[id(flat)] if key is not None)
+    destinations = [(p, p.master) for p in state.pieces()]
+    destinations += [(p, p.shard) for p in state.frozen_pieces()]
+    for piece, dest in destinations:
+        key = keys[id(piece.flat)][piece.index]
+        if key is not None:
             values = _read_range(where[key][0], key, piece.param_start, piece.param_end)
-            dest = (
-                pieces[k]
-                if pieces is not None
-                else flat.shard[piece.shard_start : piece.shard_start + piece.numel]
-            )
             plan.append((dest, values.to(dest.dtype)))
     in_state_dict = set(state_dict_names(model))
     for name, tensor in model_only_tensors(model, opt).items():

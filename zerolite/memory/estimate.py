@@ -33,8 +33,8 @@ from zerolite.layout import FlatLayout
 from zerolite.memory.footprint import MemoryBreakdown, formula
 from zerolite.optim.registry import NAMED, build_named, name_of, spec_of
 from zerolite.optim.sharded_optimizer import require_sharded_optimizer
+from zerolite.plan import plan_layout
 from zerolite.stages import STAGES
-from zerolite.zero import plan_layout
 
 __all__ = ["estimate", "state_bytes"]
 
@@ -158,17 +158,17 @@ def estimate(
     root_last = STAGES[config.stage].shards_parameters  # the last buffer is the root unit's
     buffers = [
         _Buffer(
-            FlatLayout(tuple(p.numel() for _, p in bucket), world_size),
-            [plan.group_of[id(p)] for _, p in bucket],
-            root=root_last and b == len(plan.buckets) - 1,
+            FlatLayout(tuple(p.numel() for _, p in params), world_size),
+            [plan.group_of[id(p)] for _, p in params],
+            root=root_last and b == len(plan.flat_params) - 1,
         )
-        for b, bucket in enumerate(plan.buckets)
+        for b, params in enumerate(plan.flat_params)
     ]
     frozen = [
-        FlatLayout(tuple(p.numel() for _, p in bucket), world_size)
-        for bucket in plan.frozen_buckets
+        FlatLayout(tuple(p.numel() for _, p in params), world_size)
+        for params in plan.frozen_flat_params
     ]
-    managed = {id(p) for bucket in [*plan.buckets, *plan.frozen_buckets] for _, p in bucket}
+    managed = {id(p) for params in plan.all_flat_params for _, p in params}
     unmanaged = [p for p in model.parameters() if id(p) not in managed]
     return _breakdown(buffers, opt, config, rank, unmanaged, frozen)
 

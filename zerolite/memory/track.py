@@ -34,7 +34,7 @@ from typing import Any
 import psutil
 import torch
 
-from zerolite import phases
+from zerolite import phase_events
 from zerolite.memory.footprint import footprint
 from zerolite.optim.sharded_optimizer import ShardedOptimizer, require_sharded_optimizer
 
@@ -178,7 +178,7 @@ def track(opt: ShardedOptimizer | None = None) -> Iterator[MemoryTracker]:
     """
     tracker = MemoryTracker(opt)
     try:
-        with phases.observe(tracker):
+        with phase_events.observe(tracker):
             yield tracker
     finally:
         tracker.close()
