@@ -11,7 +11,9 @@
 4. SIGKILL of one rank, of both, and of rank 0 in its commit, during the background write:
    the previous checkpoint stays ``latest``, passes ``zerolite verify`` and loads bitwise;
 5. an asynchronously saved checkpoint loads exactly at another world size and stage;
-6. at normal interpreter exit a save in flight is completed.
+6. at normal interpreter exit a save in flight is completed;
+7. ``ZeroAccelerator.save_state(..., async_save=True)`` and ``ZeroTrainer(async_save=True)``
+   save the state at the call.
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ from tests.test_checkpoint import (
     assemble,
     build,
     differences,
+    make_model,
+    pieces,
     snapshot,
     train,
 )
@@ -43,6 +47,7 @@ from zerolite import checkpoint as ckpt
 from zerolite.checkpoint import CheckpointError, PendingSave
 from zerolite.checkpoint.commit import FAULT_ENV, HOLD_ENV, LOCK_FILE, MARKER
 from zerolite.checkpoint.format import shard_file
+from zerolite.checkpoint.pending_save import in_flight
 from zerolite.checkpoint.staging import staging_area
 from zerolite.testing import RankFailure, run_ranks
 
@@ -323,3 +328,68 @@ def test_save_in_flight_completes_at_interpreter_exit(tmp_path):
     assert "done before exit: False latest before exit: None" in proc.stdout, proc.stdout
     assert ckpt.latest(tmp_path) == tmp_path / "at-exit"
     assert ckpt.verify(tmp_path / "at-exit")["extra"] == {"exit": True}
+
+
+# ---------------------------------------------------------------- 7. Accelerate and Trainer
+
+
+def _accelerate_async(root: str) -> dict:
+    os.environ["ACCELERATE_USE_CPU"] = "1"  # DESIGN §6: two CPU processes
+    from zerolite.accelerate import ZeroAccelerator
+
+    accelerator = ZeroAccelerator(zero_config=zerolite.ZeroConfig(stage=2))
+    model = make_model(NO_DROPOUT)
+    model, opt = accelerator.prepare(model, parity.make_optimizer("AdamW", model))
+    data = parity.batches(3, cfg=NO_DROPOUT)
+    train(model, opt, data[:1])
+    at_call = pieces(opt.optimizer)
+    folder = accelerator.save_state(str(Path(root) / "acc"), async_save=True)
+    pending = accelerator.pending_save
+    train(model, opt, data[1:])
+    moved = pieces(opt.optimizer)
+    accelerator.load_state(folder)  # waits for the save first
+    return {
+        "pending": isinstance(pending, PendingSave) and pending.done(),
+        "latest": ckpt.latest(Path(folder)).name,
+        "diff": differences(pieces(opt.optimizer), at_call),
+        "moved": bool(differences(moved, at_call)),
+    }
+
+
+def _trainer_async(root: str) -> dict:
+    from tests import hf_trainer_cases as cases
+    from zerolite.hf import ZeroTrainer
+
+    out = Path(root) / "trainer"
+    args = cases.make_args(out, save_strategy="steps", save_steps=2, max_steps=4)
+    trainer = ZeroTrainer(model=cases.make_model(), args=args, train_dataset=cases.TokenData(),
+                          async_save=True)
+    trainer.train()
+    result: dict = {"in_flight": in_flight() is not None}
+    in_flight().wait()
+    opt = trainer._sharded_optimizer()
+    live = snapshot(trainer.model, opt)
+    ckpt.load(out / "checkpoint-4" / "zerolite", trainer.model, opt)  # the state at the save
+    result["diff"] = differences(snapshot(trainer.model, opt), live)
+    result["verified"] = [ckpt.verify(out / f"checkpoint-{n}" / "zerolite")["extra"]
+                          for n in (2, 4)]
+    try:
+        ZeroTrainer(model=cases.make_model(), args=cases.make_args(out, save_total_limit=1),
+                    async_save=True)
+        result["refused"] = None
+    except ValueError as exc:
+        result["refused"] = str(exc)
+    return result
+
+
+def test_accelerate_save_state_async(tmp_path):
+    for rank, out in enumerate(run_ranks(_accelerate_async, 2, str(tmp_path), timeout=120)):
+        assert out["pending"] and out["latest"] == "zerolite_0" and out["moved"], (rank, out)
+        assert not out["diff"], f"rank {rank}: load_state did not restore the call's state"
+
+
+def test_trainer_async_save(tmp_path):
+    for rank, out in enumerate(run_ranks(_trainer_async, 2, str(tmp_path), timeout=240)):
+        assert out["in_flight"] and not out["diff"], (rank, out["diff"])
+        assert out["verified"] == [{"global_step": 2}, {"global_step": 4}]
+        assert out["refused"] and "save_total_limit=1" in out["refused"], out["refused"]

@@ -21,8 +21,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 from zerolite.checkpoint.format import CheckpointError
+from zerolite.collectives import Group
+from zerolite.consensus import agreed
 
-__all__ = ["PendingSave", "finish_in_flight", "in_flight"]
+__all__ = ["PendingSave", "finish_in_flight", "finish_in_flight_everywhere", "in_flight"]
 
 logger = logging.getLogger(__name__)
 
@@ -124,6 +126,13 @@ def finish_in_flight() -> None:
         error = pending._unreported_error()
         if error is not None:
             raise error
+
+
+def finish_in_flight_everywhere(group: Group) -> None:
+    """`finish_in_flight` on every rank of ``group`` (all must call): an error raised on
+    one rank is raised on all, so none goes on into a collective alone."""
+    with agreed("waiting for the asynchronous checkpoint save in flight", group):
+        finish_in_flight()
 
 
 @atexit.register
