@@ -43,7 +43,7 @@ class PendingSave:
     def __init__(self, path: Path, work: Callable[[], None], rank: int, world_size: int) -> None:
         self.path = path
         self._where = f"[rank {rank}/{world_size}]"
-        self._work = work
+        self._work: Callable[[], None] | None = work
         self._error: BaseException | None = None
         self._reported = False
         self._thread = threading.Thread(
@@ -52,9 +52,12 @@ class PendingSave:
 
     def _run(self) -> None:
         try:
-            self._work()
+            if self._work is not None:
+                self._work()
         except BaseException as exc:  # noqa: BLE001 - kept for wait() and the next save
             self._error = exc
+        finally:
+            self._work = None  # drop the staged state: the staging area lives with its optimizer
 
     def done(self) -> bool:
         """True once the background write has ended, committed or failed."""
