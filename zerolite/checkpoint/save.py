@@ -233,7 +233,9 @@ def _start_async(
         stage(area, file)
     markers = Markers(path, token, group.size, group.timeout.total_seconds())
     work = functools.partial(
-        write_and_commit, path=path, tmp=tmp, area=area, rank_file=file, index=index,
+        # The index as JSON data now: nothing the caller changes later can reach it.
+        write_and_commit, path=path, tmp=tmp, area=area, rank_file=file,
+        index=json.loads(json.dumps(index)),
         overwrite=overwrite, token=token, lock=lock, markers=markers,
     )
     return start(PendingSave(path, work, group.rank, group.size))

@@ -9,7 +9,7 @@ that buffer as it is.
 
 [Note: staging memory] The buffer is kept for the next save of the same optimizer, so
 an asynchronous save costs one extra copy of the rank's file -- about its shard of masters
-and optimizer state (16 bytes per parameter with AdamW, divided by the world size) --
+and optimizer state (12 bytes per parameter with AdamW, divided by the world size) --
 held from the first asynchronous save until the optimizer is gone. A save whose layout
 differs (optimizer state that appeared after the first step) replaces it. On CUDA the
 buffer is pinned host memory, so the copy runs at full bus speed. `staging_bytes` is what
