@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from zerolite import phase_events
-from zerolite.checkpoint.commit import SaveLock, commit_checkpoint, fault_point
+from zerolite.checkpoint.commit import SaveLock, commit_checkpoint
 from zerolite.checkpoint.format import CheckpointError
 from zerolite.checkpoint.markers import Markers
 from zerolite.checkpoint.rank_file import RankFile
@@ -35,7 +35,7 @@ __all__ = ["stage", "write_and_commit"]
 
 def stage(area: StagingArea, rank_file: RankFile) -> None:
     """Copy ``rank_file``'s tensors into ``area`` (the memory tracker's ``"staging"`` phase);
-    ``rank_file.tensors`` then refers to the staged copies."""
+    ``rank_file.tensors`` is emptied: the bytes to write are ``area``'s."""
     with phase_events.phase("staging"):
         area.stage(rank_file.tensors)
     rank_file.tensors = {}  # the live tensors are not needed (nor kept alive) any more
@@ -63,11 +63,11 @@ def write_and_commit(
             markers.done(rank, rank_file.record(size, sha))
         except Exception as exc:
             message = f"writing {target}: {type(exc).__name__}: {exc}"
-            markers.failed(rank, message)
             if rank == 0:
                 markers.announce(f"rank 0: {message}")  # nobody waits for the timeout
+            else:
+                markers.failed(rank, message)
             raise CheckpointError(f"rank {rank}: {message}") from exc
-        fault_point("written", rank)
         if rank != 0:
             markers.verdict(rank)
             return

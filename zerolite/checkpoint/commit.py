@@ -70,9 +70,8 @@ __all__ = [
 ]
 
 # Test-only fault injection: "PHASE:RANK" (or "PHASE:RANK,RANK...") makes those ranks SIGKILL
-# themselves at PHASE. Phases: "writing" (half of a shard file written), "written" (an
-# asynchronous save's shard file and completion marker written), "before_rename" (the new
-# directory complete), the overwrite steps "overwrite_copied", "overwrite_pointed_to_copy",
+# themselves at PHASE. Phases: "writing" (half of a shard file written), "before_rename" (the
+# new directory complete), the overwrite steps "overwrite_copied", "overwrite_pointed_to_copy",
 # "overwrite_moved_aside", "before_latest" (renamed into place), "before_cleanup" (pointer
 # moved), and recovery's "restore_copied", "restore_renamed".
 FAULT_ENV = "ZEROLITE_CHECKPOINT_FAULT"
@@ -94,7 +93,7 @@ def fault_point(phase: str, rank: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def hold_point(phase: str, rank: int) -> None:
+def hold_point(phase: str) -> None:
     name, _, release = os.environ.get(HOLD_ENV, "").partition(":")
     while name == phase and not os.path.exists(release):
         time.sleep(0.01)

@@ -91,7 +91,7 @@ def write_shard(
     digest = hashlib.sha256(head)
     written = len(head)
     half = total // 2  # the test-only "writing" fault point sits here
-    hold_point("writing", rank)
+    hold_point("writing")
     with open(target, "wb") as f:
         f.write(head)
         if written > half:  # a header larger than the data
