@@ -2,7 +2,8 @@
 
 The sequence, and what a crash at each point leaves behind:
 
-1. Every rank validates (the directory name, ``extra`` is JSON, the target does not
+1. Every rank waits for its asynchronous save in flight, if any, and validates (the
+   directory name, ``extra`` is JSON, the target does not
    exist unless ``overwrite``) and the ranks agree. Rank 0 then takes the root's save
    lock, finishes what an earlier crashed overwrite left
    (`zerolite.checkpoint.commit.recover`) and checks the target again; its verdict is
@@ -17,6 +18,10 @@ The sequence, and what a crash at each point leaves behind:
    checkpoint, also while an existing one is being replaced.
 4. Leftover hidden directories of earlier, interrupted saves in the same root are
    removed (never the one ``latest`` names), and the lock is released.
+
+``save(..., blocking=False)`` copies each rank's tensors into its staging area after
+step 1 and runs steps 2-4 in a background thread, the ranks agreeing through marker
+files instead of collectives (`zerolite.checkpoint.async_save`).
 
 Every rank must call `save`; ranks learn of each other's failures at each phase, so a
 failed rank never leaves the others waiting. Several machines need a shared filesystem
