@@ -71,6 +71,7 @@ from zerolite.checkpoint.json_codec import encode
 from zerolite.checkpoint.schedulers import scheduler_entries
 from zerolite.collectives import Group, all_gather_bytes
 from zerolite.consensus import agreed
+from zerolite.optim.multi import class_name
 from zerolite.optim.sharded_optimizer import ShardedOptimizer
 
 __all__ = ["FAULT_ENV", "latest", "save"]
@@ -91,10 +92,16 @@ def rank_tensors(
     for piece in state.pieces():
         name, start, end = piece.name, piece.param_start, piece.param_end
         pieces.append([name, start, end])
-        tensors[master_key(name, start, end)] = piece.master.detach()
+        # Flattened, so that any layout reads element ranges of it; state of another shape
+        # than the master (Adafactor's row and column factors of a whole owned tensor) is
+        # kept in its own shape and read back whole.
+        tensors[master_key(name, start, end)] = piece.master.detach().reshape(-1)
         for key, value in piece.state.items():
             if isinstance(value, torch.Tensor):
-                tensors[state_key(key, name, start, end)] = value.detach()
+                per_element = value.dim() > 0 and value.shape == piece.master.shape
+                tensors[state_key(key, name, start, end)] = (
+                    value.detach().reshape(-1) if per_element else value.detach()
+                )
     tensors["rng/cpu"] = torch.get_rng_state()
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         tensors["rng/cuda"] = torch.cuda.get_rng_state()
@@ -169,7 +176,7 @@ def _index(
         if opt.config.reduce_dtype is None
         else dtype_name(opt.config.reduce_dtype),
         "optimizer": {
-            "class": f"{type(opt.optimizer).__module__}.{type(opt.optimizer).__qualname__}",
+            "class": class_name(opt.optimizer),
             "param_groups": [
                 {
                     k: to_json_value(v, f"param group {g} {k!r}")
