@@ -5,11 +5,12 @@ and resumes in a fresh launch at another world size and/or partition. Right afte
 load, every parameter and every parameter's optimizer state (reassembled whole, by name)
 equal the saved ones bit for bit, and each param group's LR is the saved one:
 
-- Muon + AdamW, ``"tensor"`` at 2 ranks -> ``"tensor"`` at 4 (owners reassigned);
+- Muon + Adafactor + AdamW (Adafactor's factored row/column state of the embeddings
+  included), ``"tensor"`` at 2 ranks -> ``"tensor"`` at 4 (owners reassigned);
 - AdamW ``"flat"`` at 4 -> ``"tensor"`` at 2 (allowed: AdamW is elementwise);
 - AdamW ``"tensor"`` at 2 -> ``"flat"`` at 3.
 
-The in-memory state dict of Muon + AdamW round-trips into a twin at the same layout.
+The in-memory state dict of the three optimizers round-trips into a twin at the same layout.
 """
 
 from __future__ import annotations
@@ -111,7 +112,7 @@ def resumed(tmp_path_factory) -> dict:
     out = {}
     # (optimizers, partition at save, world at save, partition at load, world at load)
     for name, saved_as, w_save, loaded_as, w_load in [
-        ("muon+adamw", "tensor", 2, "tensor", 4),
+        ("muon+adafactor+adamw", "tensor", 2, "tensor", 4),
         ("adamw", "flat", 4, "tensor", 2),
         ("adamw", "tensor", 2, "flat", 3),
     ]:

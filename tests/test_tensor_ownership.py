@@ -61,8 +61,22 @@ def muon_adamw(model: torch.nn.Module) -> list[torch.optim.Optimizer]:
     ]
 
 
+def muon_adafactor_adamw(model: torch.nn.Module) -> list[torch.optim.Optimizer]:
+    """Three optimizers: Muon (blocks' matrices), Adafactor (embeddings: factored state of a
+    2-D tensor), AdamW (norms and biases)."""
+    muon, _ = muon_adamw(model)
+    embeddings = [model.wte.weight, model.wpe.weight]
+    rest = [p for p in model.parameters() if p.dim() < 2]
+    return [
+        muon,
+        torch.optim.Adafactor(embeddings, lr=1e-2),
+        torch.optim.AdamW(rest, lr=1e-2, weight_decay=0.0),
+    ]
+
+
 BUILDERS = {
     "muon+adamw": muon_adamw,
+    "muon+adafactor+adamw": muon_adafactor_adamw,
     "adafactor": lambda model: [torch.optim.Adafactor(model.parameters(), lr=1e-2)],
     "adamw": lambda model: [parity.make_optimizer("AdamW", model)],
 }
@@ -144,6 +158,9 @@ def _ownership_cases() -> dict:
             merged[n] = k
     loads = [sum(c.values()) for c in counts]
     expected = max(loads) / min(loads)
+    x, y = (parity.local_slice(t) for t in parity.batches(1)[0])
+    model(x, y).backward()
+    opt.step()  # optimizer state exists from the first step on
     fresh = parity.make_model()
     estimated = estimate(
         fresh, world_size=world, optimizer=zerolite.optim.multi.MultiOptimizer(
@@ -157,7 +174,24 @@ def _ownership_cases() -> dict:
         "imbalance": footprint(opt).ownership_imbalance,
         "expected": expected,
         "estimated": estimated.ownership_imbalance,
+        "model_states": (footprint(opt).model_states, estimated.model_states),
+        "bf16_replicas_equal": _bf16_replicas_equal(),
     }
+
+
+def _bf16_replicas_equal() -> bool:
+    """bf16 parameters, fp32 masters owned whole: every rank ends with the same weights."""
+    model = parity.make_model()
+    opt = shard("muon+adamw", model, stage=2, bucket_size_mb=0.01, param_dtype=torch.bfloat16)
+    for x, y in parity.batches(2):
+        x, y = parity.local_slice(x), parity.local_slice(y)
+        model(x, y).backward()
+        opt.step()
+        opt.zero_grad()
+    flat = torch.cat([p.detach().float().reshape(-1) for p in model.parameters()])
+    every = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, flat)
+    return bool(torch.isfinite(flat).all()) and all(torch.equal(e, flat) for e in every)
 
 
 def _refusal_cases() -> dict:
@@ -218,6 +252,9 @@ def test_every_parameter_whole_on_one_owner_and_imbalance_reported(runs) -> None
         assert own["imbalance"] == pytest.approx(own["expected"]), own
         assert own["estimated"] == pytest.approx(own["expected"]), own
         assert own["imbalance"] >= 1.0
+        measured, estimated = own["model_states"]
+        assert measured == estimated, own  # byte-exact, as under "flat"
+        assert own["bf16_replicas_equal"], own
 
 
 def test_refusals_name_the_reason_and_the_fix(runs) -> None:
