@@ -10,8 +10,10 @@ On real gloo groups of 2 and 4 ranks, one launch per world size running every ca
    elementwise step does not care how parameters are split), within the parity metric at
    4 (an owner sums the ranks' gradients starting from its own rank, as the flat path
    does, so another owner means another summation order).
-4. Ownership: every parameter whole on one rank, the same owners on every rank, the
-   imbalance `footprint` reports equal to `estimate`'s and to the owners' element counts.
+4. Ownership: every parameter whole on exactly one rank; the imbalance `footprint` reports
+   equals `estimate`'s and the owners' element counts; model-state bytes byte-exact against
+   `estimate`; bf16 parameters with owned fp32 masters stay equal on every rank;
+   `load_pretrained` fills masters owned whole.
 5. Refusals, before anything changes: LBFGS, overlapping parameter sets, ``"flat"`` with
    Muon naming ``"tensor"``, stage 3 with ``"tensor"``.
 
@@ -20,13 +22,18 @@ Checkpoints and state dicts of owned tensors: tests/test_tensor_checkpoint.py.
 
 from __future__ import annotations
 
+import tempfile
+from pathlib import Path
+
 import pytest
 import torch
 import torch.distributed as dist
+from safetensors.torch import save_file
 from torch.nn.parallel import DistributedDataParallel
 
 import zerolite
 from tests import parity
+from zerolite.checkpoint import load_pretrained
 from zerolite.memory import estimate, footprint
 from zerolite.testing import run_ranks
 
@@ -176,7 +183,21 @@ def _ownership_cases() -> dict:
         "estimated": estimated.ownership_imbalance,
         "model_states": (footprint(opt).model_states, estimated.model_states),
         "bf16_replicas_equal": _bf16_replicas_equal(),
+        "pretrained_loads": _pretrained_loads(),
     }
+
+
+def _pretrained_loads() -> bool:
+    """load_pretrained reads a plain safetensors file into masters owned whole."""
+    source = parity.make_model(seed=7)
+    path = Path(tempfile.mkdtemp()) / "model.safetensors"
+    save_file({k: v.contiguous() for k, v in source.state_dict().items()
+               if k != "head.weight"}, str(path))
+    model = parity.make_model()
+    shard("muon+adamw", model, stage=2, bucket_size_mb=0.01)
+    load_pretrained(model, [str(path)])
+    loaded = zerolite.full_state_dict(model, rank0_only=False)
+    return all(torch.equal(loaded[k], v) for k, v in source.state_dict().items() if k in loaded)
 
 
 def _bf16_replicas_equal() -> bool:
@@ -255,6 +276,7 @@ def test_every_parameter_whole_on_one_owner_and_imbalance_reported(runs) -> None
         measured, estimated = own["model_states"]
         assert measured == estimated, own  # byte-exact, as under "flat"
         assert own["bf16_replicas_equal"], own
+        assert own["pretrained_loads"], own
 
 
 def test_refusals_name_the_reason_and_the_fix(runs) -> None:
@@ -264,3 +286,32 @@ def test_refusals_name_the_reason_and_the_fix(runs) -> None:
     assert "disjoint" in msg["overlap"] and "optimizers[0] (Muon)" in msg["overlap"], msg
     assert "Muon" in msg["flat_muon"] and "partition='tensor'" in msg["flat_muon"], msg
     assert "stage 3" in msg["stage3_tensor"] and "stage=2" in msg["stage3_tensor"], msg
+
+
+def test_partition_config_and_environment(monkeypatch) -> None:
+    with pytest.raises(ValueError, match="ZeroConfig.partition: got 'rows'"):
+        zerolite.ZeroConfig(partition="rows")
+    monkeypatch.setenv("ZEROLITE_PARTITION", "tensor")
+    assert zerolite.ZeroConfig().partition == "tensor"
+    assert zerolite.ZeroConfig(partition="flat").partition == "flat"  # argument beats env
+    monkeypatch.delenv("ZEROLITE_PARTITION")
+    assert zerolite.ZeroConfig().partition == "auto"
+
+
+def test_owners_are_greedy_deterministic_and_laid_out_whole() -> None:
+    from zerolite.layout import FlatLayout
+    from zerolite.tensor_layout import balance, imbalance
+
+    sizes = [5, 100, 7, 100, 3, 60]
+    owners = balance(sizes, 3)
+    assert owners == balance(sizes, 3) == [2, 0, 2, 1, 2, 2]  # largest first, least loaded
+    order = sorted(range(len(sizes)), key=lambda i: owners[i])
+    layout = FlatLayout(tuple(sizes[i] for i in order), 3, tuple(owners[i] for i in order))
+    assert layout.chunk_sizes == (100, 100, 75) and layout.padding == 0
+    for rank in range(3):
+        pieces = layout.pieces(rank)
+        assert all(p.param_start == 0 and p.numel == layout.numels[p.index] for p in pieces)
+        assert sum(p.numel for p in pieces) == layout.shard_size(rank)
+    assert imbalance([layout.chunk_sizes], 3) == pytest.approx(100 / 75)
+    with pytest.raises(ValueError, match="non-decreasing"):
+        FlatLayout((1, 2), 2, (1, 0))
