@@ -13,7 +13,7 @@ On real gloo groups of 2 and 4 ranks, one launch per world size running every ca
 4. Ownership: every parameter whole on exactly one rank; the imbalance `footprint` reports
    equals `estimate`'s and the owners' element counts; model-state bytes byte-exact against
    `estimate`; bf16 parameters with owned fp32 masters stay equal on every rank;
-   `load_pretrained` fills masters owned whole.
+   `load_pretrained` fills masters owned whole; a meta-device build equals the normal one.
 5. Refusals, before anything changes: LBFGS, overlapping parameter sets, ``"flat"`` with
    Muon naming ``"tensor"``, stage 3 with ``"tensor"``.
 
@@ -184,7 +184,24 @@ def _ownership_cases() -> dict:
         "model_states": (footprint(opt).model_states, estimated.model_states),
         "bf16_replicas_equal": _bf16_replicas_equal(),
         "pretrained_loads": _pretrained_loads(),
+        "meta_equals_normal": _meta_equals_normal(),
     }
+
+
+def _meta_equals_normal() -> bool:
+    """A meta-device build laid out by owner equals the normal build, before and after steps."""
+    from tests.test_meta_init import _build as build_plain
+
+    states = []
+    for meta in (False, True):
+        model = build_plain(meta)
+        opt = shard("muon+adamw", model, stage=2, bucket_size_mb=0.01)
+        before = zerolite.full_state_dict(model, rank0_only=False)
+        parity.train(model, opt, parity.batches(2), sliced=True)
+        states.append((before, zerolite.full_state_dict(model, rank0_only=False)))
+    return all(
+        torch.equal(a[k], b[k]) for a, b in zip(states[0], states[1]) for k in a
+    )
 
 
 def _pretrained_loads() -> bool:
@@ -277,6 +294,7 @@ def test_every_parameter_whole_on_one_owner_and_imbalance_reported(runs) -> None
         assert measured == estimated, own  # byte-exact, as under "flat"
         assert own["bf16_replicas_equal"], own
         assert own["pretrained_loads"], own
+        assert own["meta_equals_normal"], own
 
 
 def test_refusals_name_the_reason_and_the_fix(runs) -> None:
