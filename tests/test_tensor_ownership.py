@@ -4,7 +4,8 @@ On real gloo groups of 2 and 4 ranks, one launch per world size running every ca
 
 1. Muon (hidden 2-D matrices) + AdamW (the rest), stages 1 and 2, against single-process
    and DDP training with the same two optimizers (tests/parity.py's per-tensor metric);
-   the native (reduce / broadcast per owner) path too.
+   the native (reduce / broadcast per owner) path too; with ``clip_grad_norm_`` (one
+   global norm over both) against torch's clipping of the whole model.
 2. Adafactor, stage 2, the same way.
 3. AdamW under ``"tensor"`` trains as under ``"flat"``: bit for bit at 2 ranks (an
    elementwise step does not care how parameters are split), within the parity metric at
@@ -95,13 +96,25 @@ def shard(name: str, model: torch.nn.Module, **config) -> zerolite.ShardedOptimi
     return zerolite.shard(model, arg, zerolite.ZeroConfig(**config))
 
 
-def oracle(name: str, data) -> tuple[torch.nn.Module, list[float], dict[str, float]]:
-    """Reference (one process, whole batch) and DDP's per-tensor error against it."""
+CLIP = 0.5  # below the tiny GPT's gradient norms: clipping is active on every step
+
+
+def oracle(
+    name: str, data, clip: bool = False
+) -> tuple[torch.nn.Module, list[float], dict[str, float]]:
+    """Reference (one process, whole batch) and DDP's per-tensor error against it; ``clip``:
+    torch's clip_grad_norm_ over all parameters before each step."""
+    def clipper(model: torch.nn.Module):
+        return (lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)) if clip else None
+
     ref = parity.make_model()
-    ref_losses = parity.train(ref, Both(BUILDERS[name](ref)), data, sliced=False)
+    ref_losses = parity.train(
+        ref, Both(BUILDERS[name](ref)), data, sliced=False, before_step=clipper(ref)
+    )
     ddp_model = parity.make_model()
     parity.train(
-        DistributedDataParallel(ddp_model), Both(BUILDERS[name](ddp_model)), data, sliced=True
+        DistributedDataParallel(ddp_model), Both(BUILDERS[name](ddp_model)), data, sliced=True,
+        before_step=clipper(ddp_model),
     )
     return ref, ref_losses, parity.tensor_errors(ddp_model, ref)
 
@@ -128,6 +141,15 @@ def _parity_cases() -> dict:
             report[label] = parity.check_parity(
                 label, model, losses, ref, ref_losses, ddp_errors
             )
+    # One global norm over both optimizers' gradients, as torch's over the whole model.
+    ref, ref_losses, ddp_errors = oracle("muon+adamw", data, clip=True)
+    model = parity.make_model()
+    opt = shard("muon+adamw", model, stage=2, bucket_size_mb=0.01)
+    losses = parity.train(
+        model, opt, data, sliced=True, before_step=lambda: opt.clip_grad_norm_(CLIP)
+    )
+    label = "muon+adamw/clipped"
+    report[label] = parity.check_parity(label, model, losses, ref, ref_losses, ddp_errors)
     # AdamW: "tensor" trains as "flat" does. Bit for bit at 2 ranks; beyond, the owner of a
     # parameter sums the ranks' gradients starting from its own (the flat path does the
     # same), so a parameter owned by another rank sums in another order: the parity metric.
@@ -273,7 +295,7 @@ def runs(request) -> list[dict]:
 def test_muon_adamw_and_adafactor_match_ddp(runs) -> None:
     for report in runs:
         labels = [k for k in report["parity"] if "/" in k and not k.endswith("/DDP")]
-        assert len(labels) == 6, report["parity"]
+        assert len(labels) == 7, report["parity"]
 
 
 def test_adamw_tensor_equals_flat(runs) -> None:
