@@ -79,10 +79,16 @@ def rank_file(model: nn.Module, opt: ShardedOptimizer) -> RankFile:
     for piece in state.pieces():
         name, start, end = piece.name, piece.param_start, piece.param_end
         pieces.append([name, start, end])
-        tensors[master_key(name, start, end)] = piece.master.detach()
+        # Flattened, so that any layout reads element ranges of it; state of another shape
+        # than the master (Adafactor's row and column factors of a whole owned tensor) is
+        # kept in its own shape and read back whole.
+        tensors[master_key(name, start, end)] = piece.master.detach().reshape(-1)
         for key, value in piece.state.items():
             if isinstance(value, torch.Tensor):
-                tensors[state_key(key, name, start, end)] = value.detach()
+                per_element = value.dim() > 0 and value.shape == piece.master.shape
+                tensors[state_key(key, name, start, end)] = (
+                    value.detach().reshape(-1) if per_element else value.detach()
+                )
     tensors["rng/cpu"] = torch.get_rng_state()
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         tensors["rng/cuda"] = torch.cuda.get_rng_state()

@@ -68,6 +68,7 @@ from zerolite.checkpoint.shard_writer import as_bytes, layout, write_shard
 from zerolite.checkpoint.staging import staging_area
 from zerolite.collectives import Group, all_gather_bytes
 from zerolite.consensus import agreed
+from zerolite.optim.multi import class_name
 from zerolite.optim.sharded_optimizer import ShardedOptimizer
 
 # model_only_tensors and state_dict_names are imported from here by load, pretrained and
@@ -114,7 +115,7 @@ def _index(
         if opt.config.reduce_dtype is None
         else dtype_name(opt.config.reduce_dtype),
         "optimizer": {
-            "class": f"{type(opt.optimizer).__module__}.{type(opt.optimizer).__qualname__}",
+            "class": class_name(opt.optimizer),
             "param_groups": [
                 {
                     k: to_json_value(v, f"param group {g} {k!r}")
