@@ -41,6 +41,7 @@ from zerolite.meta_init import (
 )
 from zerolite.model_changes import guard_conversions, install_no_sync
 from zerolite.optim.master import MasterShard
+from zerolite.optim.offload import OffloadLayout, build_tier, plan_offload
 from zerolite.optim.repoint import repoint_optimizer
 from zerolite.optim.sharded_optimizer import ShardedOptimizer
 from zerolite.plan import ShardPlan, plan_layout
@@ -102,9 +103,12 @@ def shard(
     with agreed("zerolite.shard()", group) as lines:
         plan = plan_layout(model, optimizer, config)
         lines += plan.describe(config, optimizer, model)
+        offload = plan_offload(plan, optimizer, config, group)
     digest = hashlib.sha256("\n".join(lines).encode()).hexdigest()
     with phase_events.phase("build"):
-        sharded = _build(model, optimizer, config, group, cast(ShardPlan, plan), digest)
+        sharded = _build(
+            model, optimizer, config, group, cast(ShardPlan, plan), digest, offload
+        )
     phase_events.built(sharded)
     return sharded
 
@@ -116,6 +120,7 @@ def _build(
     group: Group,
     plan: ShardPlan,
     layout_digest: str,
+    offload: OffloadLayout | None = None,
 ) -> ShardedOptimizer:
     policy = STAGES[config.stage]
     all_flat_params = plan.all_flat_params
@@ -156,11 +161,15 @@ def _build(
             what="shard()'s broadcast of rank 0's unsharded parameters and buffers",
         )
     flats, frozen_flats = all_flats[: len(plan.flat_params)], all_flats[len(plan.flat_params) :]
-    masters = [MasterShard(flat) for flat in flats]
+    masters = [
+        MasterShard(flat, 0 if offload is None else offload.per_buffer[i])
+        for i, flat in enumerate(flats)
+    ]
     repoint_optimizer(
         optimizer, pieces_of(masters, optimizer.state), plan.group_of,
         [p for _, p in plan.frozen],
     )
+    tier = None if offload is None else build_tier(offload, masters, optimizer, config, group)
     for flat in flats:
         for p in flat.params:
             p.grad = None
@@ -207,6 +216,7 @@ def _build(
         layout_digest=layout_digest,
         meta_build=meta_build,
     )
+    state.offload = tier
     sharded = ShardedOptimizer(optimizer, state)
     state.optimizer = sharded
     register(model, state)

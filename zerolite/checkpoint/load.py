@@ -44,6 +44,7 @@ from zerolite.collectives import all_gather_bytes
 from zerolite.consensus import agreed
 from zerolite.meta_init import mark_loaded
 from zerolite.optim.sharded_optimizer import ShardedOptimizer, require_sharded_optimizer
+from zerolite.shard_state import Piece
 
 __all__ = ["load"]
 
@@ -139,8 +140,8 @@ class _RangeReader:
 
 def _read_rank_state(
     path: Path, index: dict[str, Any], opt: ShardedOptimizer
-) -> list[tuple[torch.Tensor, torch.Tensor, dict]]:
-    """Per master piece of this rank: (piece tensor, fp32 values, optimizer state)."""
+) -> list[tuple[Piece, torch.Tensor, dict]]:
+    """Per master piece of this rank: (the piece, fp32 values, optimizer state)."""
     reader = _RangeReader(path, index)
     keys = _state_keys(path, index)
     out = []
@@ -152,7 +153,7 @@ def _read_rank_state(
             state[key] = reader.read(
                 lambda n, a, b, k=key: state_key(k, n, a, b), name, s, e, scalar=scalar
             )
-        out.append((piece.master, values, state))
+        out.append((piece, values, state))
     return out
 
 
@@ -331,9 +332,8 @@ def _load(
         restore_schedulers(loaded_schedulers)
         raise
     # Nothing else has changed so far; from here on every read has succeeded on every rank.
-    for tensor, values, state in pieces:
-        tensor.copy_(values)
-        optimizer.state[tensor] = {k: v.to(tensor.device) for k, v in state.items()}
+    for piece, values, state in pieces:
+        piece.write(values, state)  # through the offload tier where the piece lives there
     for group_dict, saved in zip(optimizer.param_groups, hyper):
         for key, value in saved.items():
             current = group_dict.get(key)

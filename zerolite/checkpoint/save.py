@@ -91,8 +91,8 @@ def rank_tensors(
     for piece in state.pieces():
         name, start, end = piece.name, piece.param_start, piece.param_end
         pieces.append([name, start, end])
-        tensors[master_key(name, start, end)] = piece.master.detach()
-        for key, value in piece.state.items():
+        tensors[master_key(name, start, end)] = piece.read_master()
+        for key, value in piece.read_state().items():
             if isinstance(value, torch.Tensor):
                 tensors[state_key(key, name, start, end)] = value.detach()
     tensors["rng/cpu"] = torch.get_rng_state()

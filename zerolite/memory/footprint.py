@@ -13,6 +13,12 @@
   buckets in flight, stage-1 reduced shards during the step, full-size gradients not
   yet moved into a bucket). A measurement reports what is alive at that moment.
 
+With ``ZeroConfig(offload=...)``, ``offloaded`` is the tier's bytes (per-element
+optimizer state, and 16-bit masters, of the offloaded pieces): their own line,
+"optimizer state on disk" (or "in host memory"), outside the resident fields above and
+outside ``model_states`` and ``total``. (A ``"host"`` arena of a CPU model is host
+memory all the same: the process RSS includes it.)
+
 `footprint` counts each distinct storage once (``untyped_storage().data_ptr()``), in
 the order of the fields above: a view shares its base's storage and is not counted
 again. `formula` is DESIGN §3's table for Adam-style state (8 bytes per parameter);
@@ -31,7 +37,7 @@ from zerolite.optim.registry import STATE_BYTES_PER_PARAM
 from zerolite.optim.sharded_optimizer import ShardedOptimizer, require_sharded_optimizer
 from zerolite.stages import STAGES
 
-__all__ = ["MemoryBreakdown", "footprint", "formula", "STATE_BYTES_PER_PARAM"]
+__all__ = ["MemoryBreakdown", "footprint", "formula", "offload_label", "STATE_BYTES_PER_PARAM"]
 
 @dataclasses.dataclass(frozen=True)
 class MemoryBreakdown:
@@ -42,6 +48,8 @@ class MemoryBreakdown:
     master: int = 0
     optimizer_state: int = 0
     transient: int = 0
+    offloaded: int = 0
+    offload_tier: str | None = None
 
     @property
     def model_states(self) -> int:
@@ -53,9 +61,18 @@ class MemoryBreakdown:
         return self.model_states + self.transient
 
     def __str__(self) -> str:
-        rows = [(f.name, getattr(self, f.name)) for f in dataclasses.fields(self)]
+        resident = ("params", "grads", "master", "optimizer_state", "transient")
+        rows = [(name, getattr(self, name)) for name in resident]
         rows += [("model_states", self.model_states), ("total", self.total)]
-        return "\n".join(f"{name:16s} {_human(value):>12s}" for name, value in rows)
+        text = "\n".join(f"{name:16s} {_human(value):>12s}" for name, value in rows)
+        if self.offload_tier is not None:
+            text += f"\n{offload_label(self.offload_tier)}: {_human(self.offloaded)}"
+        return text
+
+
+def offload_label(tier: str) -> str:
+    """How an offload tier's line is labelled: "optimizer state on disk" / "in host memory"."""
+    return "optimizer state on disk" if tier == "disk" else "optimizer state in host memory"
 
 
 def _human(n: int) -> str:
@@ -124,8 +141,11 @@ def footprint(opt: ShardedOptimizer) -> MemoryBreakdown:
         + [f.data for f in [*opt.flats, *opt.frozen_flats] if not f.replicated]
         + opt.bookkeeping_tensors()
     )
+    tier = opt.shard_state.offload
     return MemoryBreakdown(
-        params=params, grads=grads, master=master, optimizer_state=state, transient=transient
+        params=params, grads=grads, master=master, optimizer_state=state, transient=transient,
+        offloaded=0 if tier is None else tier.layout.nbytes,
+        offload_tier=None if tier is None else tier.layout.tier,
     )
 
 
@@ -137,6 +157,8 @@ def formula(
     param_dtype: torch.dtype = torch.float32,
     reduce_dtype: torch.dtype | None = None,
     optimizer: str = "adamw",
+    offload: str | None = None,
+    offload_fraction: float = 1.0,
 ) -> MemoryBreakdown:
     """DESIGN §3's per-rank model states for ``num_params`` parameters, without padding.
 
@@ -148,6 +170,8 @@ def formula(
         reduce_dtype: dtype of gradient shards (stages 2-3); None means ``param_dtype``.
             Stages 0-1 keep full gradients in ``param_dtype``.
         optimizer: a key of `STATE_BYTES_PER_PARAM`.
+        offload, offload_fraction: as in `zerolite.ZeroConfig`: that fraction of the
+            master and optimizer-state bytes moves to ``offloaded`` (not rounded to pieces).
     Returns:
         A `MemoryBreakdown` with ``transient = 0``. Example: 7.5e9 parameters, N=64,
         bf16, stages 0-3 give 120, 31.4, 16.6 and 1.88 GB of model states.
@@ -171,9 +195,15 @@ def formula(
     g = torch.empty(0, dtype=kept_grad_dtype).element_size()
     master_bytes = 0 if param_dtype == torch.float32 else 4
     state_bytes = STATE_BYTES_PER_PARAM[optimizer]
+    master = round(master_bytes * held(policy.shards_optimizer_state))
+    state = round(state_bytes * held(policy.shards_optimizer_state))
+    fraction = Fraction(offload_fraction) if offload is not None else Fraction(0)
+    off_master, off_state = round(master * fraction), round(state * fraction)
     return MemoryBreakdown(
         params=round(p * held(policy.shards_parameters)),
         grads=round(g * held(policy.shards_gradients)),
-        master=round(master_bytes * held(policy.shards_optimizer_state)),
-        optimizer_state=round(state_bytes * held(policy.shards_optimizer_state)),
+        master=master - off_master,
+        optimizer_state=state - off_state,
+        offloaded=off_master + off_state,
+        offload_tier=offload,
     )

@@ -18,6 +18,9 @@ attaches to the optimizer ``shard()`` returns inside the block.
   through ``/proc/self/clear_refs``), so nothing between two samples is missed;
   elsewhere RSS is read at the sampling points only.
 
+With an offload tier the peaks stay resident bytes; `MemoryTracker.offloaded` (and a
+line of ``str(t)``) gives the tier's bytes, "optimizer state on disk".
+
 One tracker at a time per process (the high-water mark is process-wide). Use it for "what
 does each phase cost"; byte-exact accounting of zerolite's own tensors is `footprint`.
 """
@@ -35,7 +38,7 @@ import psutil
 import torch
 
 from zerolite import phase_events
-from zerolite.memory.footprint import footprint
+from zerolite.memory.footprint import footprint, offload_label
 from zerolite.optim.sharded_optimizer import ShardedOptimizer, require_sharded_optimizer
 
 __all__ = ["track", "PhasePeak", "MemoryTracker"]
@@ -147,6 +150,12 @@ class MemoryTracker:
         self.enter("backward")
         self.sample()
 
+    @property
+    def offloaded(self) -> int:
+        """Bytes the attached optimizer keeps on its offload tier (0 without one)."""
+        tier = None if self.opt is None else self.opt.shard_state.offload
+        return 0 if tier is None else tier.layout.nbytes
+
     def close(self) -> None:
         self.sample()
         for handle in self._handles:
@@ -158,6 +167,9 @@ class MemoryTracker:
         rows = [f"{'phase':10s} {'zerolite MB':>12s} {kind + ' MB':>24s}"]
         for phase, p in self.peaks.items():
             rows.append(f"{phase:10s} {p.zerolite / 1e6:12.2f} {p.process / 1e6:24.2f}")
+        tier = None if self.opt is None else self.opt.shard_state.offload
+        if tier is not None:
+            rows.append(f"{offload_label(tier.layout.tier)}: {self.offloaded / 1e6:.2f} MB")
         return "\n".join(rows)
 
 
