@@ -17,7 +17,8 @@ same padding, the same per-parameter master pieces on the chosen rank -- and cou
   16-bit gradients add the fp32 upcast of one shard.
 - offloaded (``config.offload``): the pieces `zerolite.optim.offload` would move to the
   tier -- their per-element state, and their masters when 16-bit -- taken out of
-  ``master`` and ``optimizer_state``.
+  ``master`` and ``optimizer_state``; transient adds the streamed step's three chunks
+  in flight (each at most the tier's size).
 
 The four model-state fields are byte-exact against `footprint` of the same model,
 optimizer and config (that is tested), so it can be used to choose a stage, a world
@@ -34,7 +35,12 @@ from torch import nn
 from zerolite.config import ZeroConfig
 from zerolite.layout import FlatLayout
 from zerolite.memory.footprint import MemoryBreakdown, formula
-from zerolite.optim.offload import OffloadLayout, offload_layout, state_fields
+from zerolite.optim.offload import (
+    OffloadLayout,
+    chunk_bytes_for,
+    offload_layout,
+    state_fields,
+)
 from zerolite.optim.registry import NAMED, build_named, name_of, spec_of
 from zerolite.optim.sharded_optimizer import require_sharded_optimizer
 from zerolite.plan import plan_layout
@@ -114,6 +120,7 @@ def _breakdown(
     if offload is not None:
         master -= offload.master_bytes
         state -= offload.state_bytes
+        transient += 3 * min(offload.nbytes, chunk_bytes_for(offload.nbytes))
     return MemoryBreakdown(
         params=held(policy.shards_parameters) * p + frozen_shards + other,
         grads=held(policy.shards_gradients) * kept_g + other_grads,

@@ -47,13 +47,18 @@ __all__ = [
     "Slot",
     "build_tier",
     "check_offload",
+    "chunk_bytes_for",
     "offload_layout",
     "plan_offload",
     "state_fields",
 ]
 
-# What the streamed step moves per chunk, bounded (reader, stepper and writer: 3 alive).
+# What the streamed step moves per chunk, bounded (reader, stepper and writer: 3 alive):
+# at most 64 MiB, and at most 1/16 of the tier (but not under 1 MiB, where per-chunk
+# overhead would dominate), so the chunks in flight stay a small part of what was offloaded.
 CHUNK_BYTES = 64 * 2**20
+CHUNK_MIN_BYTES = 2**20
+CHUNK_FRACTION = 16
 MASTER = "master"  # the field of an offloaded fp32 master (16-bit parameters)
 
 
@@ -101,6 +106,11 @@ class OffloadLayout:
     def state_bytes(self) -> int:
         """Of ``nbytes``, per-element optimizer state."""
         return self.nbytes - self.master_bytes
+
+
+def chunk_bytes_for(nbytes: int) -> int:
+    """The streamed step's chunk size for a tier of ``nbytes`` (see `CHUNK_BYTES`)."""
+    return min(CHUNK_BYTES, max(CHUNK_MIN_BYTES, nbytes // CHUNK_FRACTION))
 
 
 def state_fields(
@@ -295,8 +305,8 @@ class OffloadTier:
             if layout.tier == "disk"
             else _HostArena(layout.nbytes, pinned=device.type == "cuda")
         )
-        # Elements the streamed step moves at once (tests lower it to split pieces).
-        self.chunk_bytes = CHUNK_BYTES
+        # Bytes the streamed step moves at once (tests lower it to split pieces).
+        self.chunk_bytes = chunk_bytes_for(layout.nbytes)
         # Per slot: whether the optimizer has made its state yet (torch creates state
         # lazily, and e.g. SGD's first momentum is the gradient, not a zero-started one).
         self.initialized = [False] * len(layout.slots)

@@ -99,7 +99,7 @@ def _chunks(
                 continue  # no gradient anywhere: torch would skip it, state unchanged
             slot = tier.slot_of(buffer, j)
             assert slot is not None
-            per = max(1, tier.layout.slots[slot].bytes_per_element + 4)  # + the gradient
+            per = max(1, tier.layout.slots[slot].bytes_per_element)
             group = group_of[id(master.pieces[j])]
             initialized = tier.initialized[slot]
             scalars = optimizer_state.get(master.pieces[j], {})
