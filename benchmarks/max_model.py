@@ -138,7 +138,7 @@ def _rank(system: str, d_model: int, n_layer: int, offload_dir: str, limit: int)
         opt.zero_grad(set_to_none=True)
         times.append(time.perf_counter() - start)
     return {"peak_rss": _peak_rss(), "offloaded": offloaded, "times": times,
-            "loss": float(loss)}
+            "loss": loss.item()}
 
 
 def _try(system: str, size: tuple[int, int], offload_dir: str, cap: int) -> dict | None:

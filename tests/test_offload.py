@@ -28,6 +28,7 @@ import pytest
 import torch
 
 import zerolite
+import zerolite.cli
 from tests import parity
 from zerolite import checkpoint as ckpt
 from zerolite.memory import estimate, footprint, track
@@ -318,3 +319,14 @@ def test_formula_offload_line():
                                 offload="disk", offload_fraction=0.5)
     assert (b.master, b.optimizer_state, b.offloaded) == (5 * 10**8, 10**9, 15 * 10**8)
     assert "optimizer state on disk" in str(b)
+
+
+def test_cli_estimate_offload(capsys):
+    assert zerolite.cli.main(
+        ["estimate", "--params", "1e9", "--world-size", "4", "--offload", "disk"]
+    ) == 0
+    out = capsys.readouterr().out
+    assert "optimizer state on disk" in out
+    stage3 = next(line for line in out.splitlines() if line.startswith("3 "))
+    # bf16 stage 3 at N = 4: 0.5 GB params + 0.5 GB grads resident, 3 GB on disk.
+    assert stage3.split()[-3:] == ["1", "-", "3"]

@@ -29,6 +29,7 @@ import tempfile
 import uuid
 import weakref
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -263,6 +264,11 @@ class _DiskArena:
         self._finalizer()
 
 
+def _shutdown(threads: tuple[ThreadPoolExecutor, ...]) -> None:
+    for pool in threads:
+        pool.shutdown(wait=False)
+
+
 class _HostArena:
     """One host byte tensor (pinned for a CUDA model) holding the offloaded state."""
 
@@ -310,6 +316,10 @@ class OffloadTier:
         # Per slot: whether the optimizer has made its state yet (torch creates state
         # lazily, and e.g. SGD's first momentum is the gradient, not a zero-started one).
         self.initialized = [False] * len(layout.slots)
+        # The streamed step's three staging buffers (reading, stepping, writing) and its
+        # reader and writer threads; made at the first step, kept while the tier lives.
+        self.staging: list[torch.Tensor] = []
+        self._threads: tuple[ThreadPoolExecutor, ThreadPoolExecutor] | None = None
         self._slot_of = {(s.buffer, s.position): i for i, s in enumerate(layout.slots)}
 
     @property
@@ -317,6 +327,26 @@ class OffloadTier:
         """The name the arena's file was created under (``"disk"``; already unlinked: the
         open descriptor holds its space), else None."""
         return self.arena.path
+
+    def threads(self) -> tuple[ThreadPoolExecutor, ThreadPoolExecutor]:
+        """The (reader, writer) threads; also allocates the staging buffers."""
+        if self._threads is None:
+            pinned = self.device.type == "cuda"
+            self.staging = [
+                torch.empty(self.chunk_bytes, dtype=torch.uint8, pin_memory=pinned)
+                for _ in range(3)
+            ]
+            self._threads = (ThreadPoolExecutor(1), ThreadPoolExecutor(1))
+            weakref.finalize(self, _shutdown, self._threads)
+        return self._threads
+
+    def field_dtype(self, slot: int, field: str) -> torch.dtype:
+        return self._field(slot, field)[0]
+
+    def read_into(self, slot: int, field: str, lo: int, out: torch.Tensor) -> None:
+        """Read elements [lo, lo + out.numel()) of one field into ``out`` (1-D, CPU)."""
+        dtype, offset = self._field(slot, field)
+        self.arena.read(offset + lo * dtype.itemsize, out)
 
     def slot_of(self, buffer: int, position: int) -> int | None:
         """The slot of piece ``position`` of flat buffer ``buffer``; None if resident."""
@@ -366,6 +396,9 @@ class OffloadTier:
     def close(self) -> None:
         """Release the arena now (files removed); also happens at garbage collection."""
         self.arena.close()
+        if self._threads is not None:
+            _shutdown(self._threads)
+        self.staging = []
 
     def _field(self, slot: int, field: str) -> tuple[torch.dtype, int]:
         for name, dtype, offset in self.layout.slots[slot].fields:

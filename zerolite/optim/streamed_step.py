@@ -4,7 +4,8 @@
 ``.grad`` then, so torch skips them), then calls `stream_step` for the same buffers.
 The offloaded elements are cut into chunks of at most ``tier.chunk_bytes`` (a piece may
 span several chunks). While one chunk steps, a reader thread loads the next from the
-arena and a writer thread stores the previous one: at most three chunks are in memory.
+arena and a writer thread stores the previous one: three staging buffers of about
+``chunk_bytes``, allocated once per tier and reused, hold everything in flight.
 
 Each chunk is stepped by the user's own optimizer instance: its param groups are
 pointed, for the call, at the chunk's fp32 master segments (new tensors: values read
@@ -18,7 +19,7 @@ segments: each starts from the piece's value, and the piece keeps the result.
 from __future__ import annotations
 
 import dataclasses
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any
 
 import torch
@@ -27,6 +28,8 @@ from zerolite.optim.master import MasterShard
 from zerolite.optim.offload import MASTER, OffloadTier
 
 __all__ = ["stream_step"]
+
+_ALIGN = 64  # bytes: where each field's view starts in a staging buffer
 
 
 @dataclasses.dataclass
@@ -63,19 +66,23 @@ def stream_step(
     chunks = _chunks(tier, masters, group_of, optimizer.state)
     if not chunks:
         return
-    with ThreadPoolExecutor(1) as reader, ThreadPoolExecutor(1) as writer:
-        loading: Future = reader.submit(_load, tier, chunks[0])
-        writing: Future | None = None
+    reader, writer = tier.threads()
+    loading: Future = reader.submit(_load, tier, chunks[0], 0)
+    writing: Future | None = None
+    try:
         for i in range(len(chunks)):
             chunk = loading.result()
             if i + 1 < len(chunks):
-                loading = reader.submit(_load, tier, chunks[i + 1])
+                # Staging buffer (i + 1) % 3 last held chunk i - 2, whose write is done.
+                loading = reader.submit(_load, tier, chunks[i + 1], (i + 1) % len(tier.staging))
             _step_chunk(tier, chunk, optimizer)
             if writing is not None:
                 writing.result()
             writing = writer.submit(_store, tier, chunk)
-        if writing is not None:
-            writing.result()
+    finally:
+        for pending in (loading, writing):
+            if pending is not None:
+                pending.result()
 
 
 def _chunks(
@@ -122,15 +129,36 @@ def _chunks(
     return chunks
 
 
-def _load(tier: OffloadTier, chunk: list[_Segment]) -> list[_Segment]:
-    """Reader thread: the segments' masters (when offloaded) and per-element state."""
+def _load(tier: OffloadTier, chunk: list[_Segment], buffer: int) -> list[_Segment]:
+    """Reader thread: the segments' masters (when offloaded) and per-element state, read
+    into views of staging buffer ``buffer`` (reused every step: no allocation, so nothing
+    for the allocator to keep)."""
+    need = 0
+    for seg in chunk:
+        names = [MASTER] if tier.has_master(seg.slot) else []
+        names += tier.state_keys(seg.slot) if seg.initialized else []
+        need += sum(_ALIGN + (seg.hi - seg.lo) * tier.field_dtype(seg.slot, n).itemsize
+                    for n in names)
+    staging = tier.staging[buffer]
+    if staging.numel() < need:  # many tiny segments: their alignment overran chunk_bytes
+        staging = tier.staging[buffer] = torch.empty(need, dtype=torch.uint8)
+    offset = 0
+
+    def read(seg: _Segment, name: str) -> torch.Tensor:
+        nonlocal offset
+        dtype = tier.field_dtype(seg.slot, name)
+        offset = -(-offset // _ALIGN) * _ALIGN
+        nbytes = (seg.hi - seg.lo) * dtype.itemsize
+        out = staging[offset : offset + nbytes].view(dtype)
+        offset += nbytes
+        tier.read_into(seg.slot, name, seg.lo, out)
+        return out
+
     for seg in chunk:
         if tier.has_master(seg.slot):
-            seg.values = tier.read(seg.slot, MASTER, seg.lo, seg.hi)
+            seg.values = read(seg, MASTER)
         seg.state = (
-            {key: tier.read(seg.slot, key, seg.lo, seg.hi) for key in tier.state_keys(seg.slot)}
-            if seg.initialized
-            else {}
+            {key: read(seg, key) for key in tier.state_keys(seg.slot)} if seg.initialized else {}
         )
     return chunk
 
