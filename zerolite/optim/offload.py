@@ -26,7 +26,6 @@ import math
 import os
 import shutil
 import tempfile
-import uuid
 import weakref
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -36,6 +35,7 @@ import torch
 
 from zerolite.config import ZeroConfig
 from zerolite.layout import FlatLayout
+from zerolite.optim.arena import DiskArena, HostArena
 
 if TYPE_CHECKING:
     from zerolite.collectives import Group
@@ -223,69 +223,9 @@ def pinned_memory_available() -> bool:
         return False
 
 
-class _DiskArena:
-    """A preallocated file under ``directory``, unlinked as soon as it is reserved: its
-    space lives as long as the descriptor, which closes when the arena is collected or
-    the process ends in any way (an OOM kill included), so no run leaves files behind
-    and no two runs or models ever share one (``O_EXCL`` on a fresh random name)."""
-
-    def __init__(self, directory: str, nbytes: int, rank: int) -> None:
-        name = f"zerolite-offload-{os.getpid()}-{uuid.uuid4().hex[:12]}-rank{rank}.bin"
-        self.path = os.path.join(directory, name)
-        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        try:
-            if nbytes:
-                os.posix_fallocate(self.fd, 0, nbytes)
-        except OSError as exc:
-            os.close(self.fd)
-            raise ValueError(
-                f"ZeroConfig.offload_dir: cannot reserve {nbytes} bytes in {self.path}: {exc}"
-            ) from None
-        finally:
-            os.remove(self.path)
-        self._finalizer = weakref.finalize(self, os.close, self.fd)
-
-    def read(self, offset: int, out: torch.Tensor) -> None:
-        view = memoryview(out.view(torch.uint8).numpy())
-        done = 0
-        while done < len(view):
-            n = os.preadv(self.fd, [view[done:]], offset + done)
-            if n <= 0:
-                raise OSError(f"short read from {self.path} at {offset + done}")
-            done += n
-
-    def write(self, offset: int, src: torch.Tensor) -> None:
-        view = memoryview(src.contiguous().view(torch.uint8).numpy())
-        done = 0
-        while done < len(view):
-            done += os.pwritev(self.fd, [view[done:]], offset + done)
-
-    def close(self) -> None:
-        self._finalizer()
-
-
 def _shutdown(threads: tuple[ThreadPoolExecutor, ...]) -> None:
     for pool in threads:
         pool.shutdown(wait=False)
-
-
-class _HostArena:
-    """One host byte tensor (pinned for a CUDA model) holding the offloaded state."""
-
-    def __init__(self, nbytes: int, pinned: bool) -> None:
-        self.data = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
-        self.path = None
-
-    def read(self, offset: int, out: torch.Tensor) -> None:
-        out.view(torch.uint8).copy_(self.data[offset : offset + out.numel() * out.itemsize])
-
-    def write(self, offset: int, src: torch.Tensor) -> None:
-        self.data[offset : offset + src.numel() * src.itemsize].copy_(
-            src.contiguous().view(torch.uint8)
-        )
-
-    def close(self) -> None:
-        self.data = torch.empty(0, dtype=torch.uint8)
 
 
 class OffloadTier:
@@ -306,10 +246,10 @@ class OffloadTier:
     ) -> None:
         self.layout = layout
         self.device = device
-        self.arena: _DiskArena | _HostArena = (
-            _DiskArena(str(config.offload_dir), layout.nbytes, rank)
+        self.arena: DiskArena | HostArena = (
+            DiskArena(str(config.offload_dir), layout.nbytes, rank)
             if layout.tier == "disk"
-            else _HostArena(layout.nbytes, pinned=device.type == "cuda")
+            else HostArena(layout.nbytes, pinned=device.type == "cuda")
         )
         # Bytes the streamed step moves at once (tests lower it to split pieces).
         self.chunk_bytes = chunk_bytes_for(layout.nbytes)
