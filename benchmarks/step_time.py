@@ -57,6 +57,7 @@ from zerolite.testing import run_ranks  # noqa: E402
 CFG = GPTConfig(vocab_size=8192, seq_len=128, n_layer=6, n_head=6, d_model=384)
 MICRO_BATCH = 4
 WARMUP, TIMED = 3, 10
+TRACKED = 5  # zerolite systems: steps after the timed ones, each peak RSS read by track()
 SYSTEMS = ("ddp", "zero1", "fsdp2", "zl1", "zl2", "zl3")
 STAGE = {"ddp": 0, "zero1": 1, "fsdp2": 3, "zl1": 1, "zl2": 2, "zl3": 3, "zl2-disk": 2,
          "zl3-disk": 3}
@@ -199,13 +200,18 @@ def _run_system(system: str, dtype: str, device_name: str, offload_dir: str) -> 
         torch.cuda.set_device(device)
     model, module, opt, autocast, measure = _build(system, dtype, device, offload_dir)
     result = _timed(model, module, opt, autocast, measure, system, device)
-    if system.startswith("zl"):  # one more step, tracked (its hooks would skew the timing)
+    if system.startswith("zl"):  # more steps, each tracked (hooks would skew the timing)
         rank, world = dist.get_rank(), dist.get_world_size()
-        x, y = random_batch(CFG, MICRO_BATCH * world, seed=0)
-        rss0 = psutil.Process().memory_info().rss  # what track() grows from, at its start
-        with track(opt) as t:
-            _one_step(module, opt, autocast, x[rank::world].to(device), y[rank::world].to(device))
-        result["rss_peak"] = rss0 + max(p.process for p in t.peaks.values())
+        peaks = []
+        for s in range(TRACKED):
+            x, y = random_batch(CFG, MICRO_BATCH * world, seed=s)
+            rss0 = psutil.Process().memory_info().rss  # what track() grows from, at its start
+            with track(opt) as t:
+                _one_step(module, opt, autocast, x[rank::world].to(device),
+                          y[rank::world].to(device))
+            peaks.append(rss0 + max(p.process for p in t.peaks.values()))
+        # RSS moves by tens of MB from step to step (activations, the allocator): a median.
+        result["rss_peak"] = statistics.median(peaks)
         result["offloaded"] = t.offloaded
     return result
 
@@ -315,7 +321,7 @@ def _offload_table(systems, dtypes, results) -> None:
         for system in rows:
             base = results[(system.removesuffix("-disk"), dtype)]
             disk = results[(system, dtype)]
-            # Median over rounds of rank 0's peak RSS (build and steps), as track() saw it.
+            # Rank 0's peak RSS per step as track() saw it: median over steps, then rounds.
             ram_rss = statistics.median(r["rss_peak"] for r in base)
             disk_rss = statistics.median(r["rss_peak"] for r in disk)
             offloaded = disk[-1]["offloaded"]

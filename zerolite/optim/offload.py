@@ -55,11 +55,11 @@ __all__ = [
 ]
 
 # What the streamed step moves per chunk, bounded (reader, stepper and writer: 3 alive):
-# at most 64 MiB, and at most 1/16 of the tier (but not under 1 MiB, where per-chunk
+# at most 64 MiB, and at most 1/64 of the tier (but not under 1 MiB, where per-chunk
 # overhead would dominate), so the chunks in flight stay a small part of what was offloaded.
 CHUNK_BYTES = 64 * 2**20
 CHUNK_MIN_BYTES = 2**20
-CHUNK_FRACTION = 16
+CHUNK_FRACTION = 64
 MASTER = "master"  # the field of an offloaded fp32 master (16-bit parameters)
 
 
