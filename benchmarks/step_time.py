@@ -222,14 +222,16 @@ def _timed(model, module, opt, autocast, measure, system, device) -> dict:
     batches = [(x[rank::world].to(device), y[rank::world].to(device)) for x, y in batches]
     times = []
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    cpu = []  # this process's CPU seconds (all threads): less sensitive to a loaded machine
     for i, (x, y) in enumerate(batches[:-1]):
         dist.barrier()
         sync()
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         _one_step(module, opt, autocast, x, y)
         sync()
         if i >= WARMUP:
             times.append(time.perf_counter() - start)
+            cpu.append(time.process_time() - start_cpu)
     # Counting step: a pass-through spy, DDP's all-reduce made visible through its Python hook.
     if system in ("ddp", "zero1"):
         module.register_comm_hook(None, module._zerolite_bench_hook)
@@ -239,7 +241,7 @@ def _timed(model, module, opt, autocast, measure, system, device) -> dict:
             module, opt, autocast, *batches[-1], after_step=lambda: measured.append(measure())
         )
     mem = measured[0]
-    return {"times": times, "elements": dict(spy.elements), "memory": mem,
+    return {"times": times, "cpu": cpu, "elements": dict(spy.elements), "memory": mem,
             "numel": sum(p.numel() for p in model.parameters())}
 
 
@@ -316,7 +318,8 @@ def _offload_table(systems, dtypes, results) -> None:
         return
     print("\n'x base' of a -disk row is its step time over the same stage in RAM.")
     print(f"{'system':8s} {'dtype':5s} {'RSS MB in RAM':>13s} {'RSS MB disk':>11s} "
-          f"{'drop MB':>8s} {'on disk MB':>10s} {'drop/disk':>9s}")
+          f"{'drop MB':>8s} {'on disk MB':>10s} {'drop/disk':>9s} {'CPU ms RAM':>10s} "
+          f"{'CPU ms disk':>11s} {'CPU x':>6s}")
     for dtype in dtypes:
         for system in rows:
             base = results[(system.removesuffix("-disk"), dtype)]
@@ -325,9 +328,13 @@ def _offload_table(systems, dtypes, results) -> None:
             ram_rss = statistics.median(r["rss_peak"] for r in base)
             disk_rss = statistics.median(r["rss_peak"] for r in disk)
             offloaded = disk[-1]["offloaded"]
+            # Rank 0's CPU time per timed step (its threads included), median over all.
+            ram_cpu = statistics.median(c for r in base for c in r["cpu"])
+            disk_cpu = statistics.median(c for r in disk for c in r["cpu"])
             print(f"{system:8s} {dtype:5s} {ram_rss / 1e6:13.1f} {disk_rss / 1e6:11.1f} "
                   f"{(ram_rss - disk_rss) / 1e6:8.1f} {offloaded / 1e6:10.1f} "
-                  f"{(ram_rss - disk_rss) / offloaded:9.2f}")
+                  f"{(ram_rss - disk_rss) / offloaded:9.2f} {ram_cpu * 1e3:10.1f} "
+                  f"{disk_cpu * 1e3:11.1f} {disk_cpu / ram_cpu:6.3f}")
 
 
 if __name__ == "__main__":
