@@ -4,7 +4,8 @@ On real gloo groups, real files and real safetensors; one 2-rank launch runs the
 matrix, the accounting, the bad inputs at ``shard()`` and the garbage-collection check,
 and one 3-rank launch loads its checkpoints:
 
-1. bitwise parity with the in-memory run (losses and every parameter, ``torch.equal``):
+1. bitwise parity with the in-memory run (losses and every parameter, ``torch.equal``;
+   also fp16 with a step skipped for overflow):
    stages 1-3 x fp32/bf16 x AdamW/SGD-with-momentum, each against two of the four
    (tier, fraction) settings {disk, host} x {1.0, 0.5}, chosen so that every setting
    meets every stage, dtype and optimizer; gradient clipping in every step; a chunk of
@@ -170,8 +171,27 @@ def _collected(where: str) -> dict:
     return {"alive": alive, "listed": listed, "after": _offload_fds(where)}
 
 
+def _fp16_with_a_skipped_step(where: str) -> dict:
+    """fp16 with loss scaling; step 1's gradients hold an inf, so it is skipped."""
+    data = parity.batches(STEPS)
+    out = {}
+    for offload in (None, "disk"):
+        model, opt = _build(_config(2, torch.float16, offload, 0.5, where))
+        r, skipped = torch.distributed.get_rank(), []
+        for step, (x, y) in enumerate(data):
+            loss = model(parity.local_slice(x), parity.local_slice(y))
+            opt.scale_loss(loss * (float("inf") if step == 1 else 1.0)).backward()
+            opt.clip_grad_norm_(1.0)
+            opt.step()
+            opt.zero_grad()
+            skipped.append(opt.step_was_skipped)
+        out[offload] = (skipped, _full(model), r)
+    return out
+
+
 def _save_rank(where: str, root: str) -> dict:
     results = {
+        "fp16": _fp16_with_a_skipped_step(where),
         "parity": _parity_and_accounting(where),
         "bad": _bad_inputs(where),
         "gc": _collected(where),
@@ -221,6 +241,13 @@ def test_parity_bitwise(launched):
                 assert r["shard_elements"] / 2 <= r["offloaded_elements"] < r["shard_elements"]
     assert len(seen) == (3 + 2 + 2) * 4
     assert any(r["split_pieces"] for r in saved[0]["parity"])
+
+
+def test_fp16_skipped_step_as_in_memory(launched):
+    for rank in launched[0]:
+        (skipped, full, _), (off_skipped, off, _) = rank["fp16"][None], rank["fp16"]["disk"]
+        assert skipped == off_skipped and skipped[1] and not skipped[0]
+        assert all(torch.equal(full[k], off[k]) for k in full)
 
 
 def test_resident_bytes_drop_by_the_offloaded_bytes(launched):
