@@ -10,15 +10,20 @@ parameters with fp32 master shards):
     zero1    DDP + torch.distributed.optim.ZeroRedundancyOptimizer(AdamW)
     fsdp2    torch's fully_shard per block + root (bf16 via MixedPrecisionPolicy)
     zl1/zl2/zl3  zerolite.shard stage 1 / 2 / 3
+    zl2-disk/zl3-disk  stage 2 / 3 with ZeroConfig(offload="disk") under --offload-dir
+        (not in the default list; its rows add the step-time ratio to the same stage in
+        RAM, the tier's bytes and the peak RSS per rank measured by `zerolite.memory.track`)
 
-Per system it prints the median step time, its ratio to DDP's median in the same round
-(mean and spread over rounds), tokens/s, model-state bytes per rank and their ratio to
+Per system it prints the median step time, its ratio ("x base") to DDP's median in the
+same round (a -disk system: to the same stage in RAM; mean and spread over rounds), tokens/s,
+model-state bytes per rank and their ratio to
 `zerolite.memory.formula`, transient bytes, and logical elements per collective kind per
 step, counted by a pass-through spy on torch.distributed in a separate counting step
 (elements one rank sends, as a ring would: all-reduce 2(N-1)/N of the buffer,
 all-gather and reduce-scatter (N-1)/N, point-to-point what is sent).
 
     python benchmarks/step_time.py [--rounds 5] [--dtypes fp32,bf16] [--device cuda]
+    python benchmarks/step_time.py --systems zl2,zl3,zl2-disk,zl3-disk --dtypes bf16
 
 With ``--device cuda`` every system runs on the GPU with NCCL (one lent GPU allows
 world size 1 only: ``--world-size 1``).
@@ -28,12 +33,16 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import math
+import os
 import statistics
 import sys
+import tempfile
 import time
 from collections import defaultdict
 from pathlib import Path
 
+import psutil
 import torch
 import torch.distributed as dist
 
@@ -42,14 +51,16 @@ sys.path.insert(0, str(ROOT))
 
 import zerolite  # noqa: E402
 from examples.gpt import GPT, GPTConfig, param_groups, random_batch  # noqa: E402
-from zerolite.memory import footprint, formula  # noqa: E402
+from zerolite.memory import footprint, formula, track  # noqa: E402
 from zerolite.testing import run_ranks  # noqa: E402
 
 CFG = GPTConfig(vocab_size=8192, seq_len=128, n_layer=6, n_head=6, d_model=384)
 MICRO_BATCH = 4
 WARMUP, TIMED = 3, 10
+TRACKED = 5  # zerolite systems: steps after the timed ones, each peak RSS read by track()
 SYSTEMS = ("ddp", "zero1", "fsdp2", "zl1", "zl2", "zl3")
-STAGE = {"ddp": 0, "zero1": 1, "fsdp2": 3, "zl1": 1, "zl2": 2, "zl3": 3}
+STAGE = {"ddp": 0, "zero1": 1, "fsdp2": 3, "zl1": 1, "zl2": 2, "zl3": 3, "zl2-disk": 2,
+         "zl3-disk": 3}
 SPIED = ("isend", "irecv", "all_reduce", "broadcast", "all_gather", "reduce_scatter_single",
          "all_gather_single", "reduce_scatter_tensor", "all_gather_into_tensor")
 
@@ -102,7 +113,7 @@ def _census(tensors) -> int:
     return total
 
 
-def _build(system: str, dtype: str, device: torch.device):
+def _build(system: str, dtype: str, device: torch.device, offload_dir: str):
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
     from torch.distributed.optim import ZeroRedundancyOptimizer
     from torch.nn.parallel import DistributedDataParallel
@@ -112,8 +123,10 @@ def _build(system: str, dtype: str, device: torch.device):
     groups = param_groups(model, weight_decay=0.1)
     autocast = contextlib.nullcontext
     if system.startswith("zl"):
+        offload = "disk" if system.endswith("-disk") else None
         cfg = zerolite.ZeroConfig(
-            stage=STAGE[system], param_dtype=torch.bfloat16 if dtype == "bf16" else torch.float32
+            stage=STAGE[system], param_dtype=torch.bfloat16 if dtype == "bf16" else torch.float32,
+            offload=offload, offload_dir=offload_dir if offload else None,
         )
         opt = zerolite.shard(model, torch.optim.AdamW(groups, lr=3e-4), cfg)
         return model, model, opt, autocast, lambda: footprint(opt)
@@ -179,25 +192,46 @@ def _one_step(module, opt, autocast, x, y, after_step=None):
     return loss
 
 
-def _run_system(system: str, dtype: str, device_name: str) -> dict:
+def _run_system(system: str, dtype: str, device_name: str, offload_dir: str) -> dict:
     torch.set_num_threads(1)
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     device = torch.device(device_name, rank) if device_name == "cuda" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    model, module, opt, autocast, measure = _build(system, dtype, device)
+    model, module, opt, autocast, measure = _build(system, dtype, device, offload_dir)
+    result = _timed(model, module, opt, autocast, measure, system, device)
+    if system.startswith("zl"):  # more steps, each tracked (hooks would skew the timing)
+        rank, world = dist.get_rank(), dist.get_world_size()
+        peaks = []
+        for s in range(TRACKED):
+            x, y = random_batch(CFG, MICRO_BATCH * world, seed=s)
+            rss0 = psutil.Process().memory_info().rss  # what track() grows from, at its start
+            with track(opt) as t:
+                _one_step(module, opt, autocast, x[rank::world].to(device),
+                          y[rank::world].to(device))
+            peaks.append(rss0 + max(p.process for p in t.peaks.values()))
+        # RSS moves by tens of MB from step to step (activations, the allocator): a median.
+        result["rss_peak"] = statistics.median(peaks)
+        result["offloaded"] = t.offloaded
+    return result
+
+
+def _timed(model, module, opt, autocast, measure, system, device) -> dict:
+    rank, world = dist.get_rank(), dist.get_world_size()
     batches = [random_batch(CFG, MICRO_BATCH * world, seed=s) for s in range(WARMUP + TIMED + 1)]
     batches = [(x[rank::world].to(device), y[rank::world].to(device)) for x, y in batches]
     times = []
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    cpu = []  # this process's CPU seconds (all threads): less sensitive to a loaded machine
     for i, (x, y) in enumerate(batches[:-1]):
         dist.barrier()
         sync()
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         _one_step(module, opt, autocast, x, y)
         sync()
         if i >= WARMUP:
             times.append(time.perf_counter() - start)
+            cpu.append(time.process_time() - start_cpu)
     # Counting step: a pass-through spy, DDP's all-reduce made visible through its Python hook.
     if system in ("ddp", "zero1"):
         module.register_comm_hook(None, module._zerolite_bench_hook)
@@ -207,7 +241,7 @@ def _run_system(system: str, dtype: str, device_name: str) -> dict:
             module, opt, autocast, *batches[-1], after_step=lambda: measured.append(measure())
         )
     mem = measured[0]
-    return {"times": times, "elements": dict(spy.elements), "memory": mem,
+    return {"times": times, "cpu": cpu, "elements": dict(spy.elements), "memory": mem,
             "numel": sum(p.numel() for p in model.parameters())}
 
 
@@ -220,7 +254,10 @@ def main() -> None:
     parser.add_argument("--systems", default=",".join(SYSTEMS))
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--offload-dir", default=tempfile.gettempdir(),
+                        help="directory of the -disk systems' files (default: the temp dir)")
     args = parser.parse_args()
+    os.makedirs(args.offload_dir, exist_ok=True)
     backend = "nccl" if args.device == "cuda" else "gloo"
     systems = args.systems.split(",")
     results: dict[tuple[str, str], list[dict]] = defaultdict(list)
@@ -232,40 +269,72 @@ def main() -> None:
             medians = {}
             for system in order:
                 ranks = run_ranks(_run_system, args.world_size, system, dtype, args.device,
-                                  timeout=600, backend=backend)
+                                  args.offload_dir, timeout=600, backend=backend)
                 result = ranks[0]
                 medians[system] = statistics.median(
                     max(rr["times"][i] for rr in ranks) for i in range(TIMED)
                 )
                 results[(system, dtype)].append(result)
             for system in systems:
-                ratios[(system, dtype)].append(medians[system] / medians["ddp"])
+                # An offloaded system against the same stage in RAM; the rest against DDP.
+                base = system.removesuffix("-disk") if system.endswith("-disk") else "ddp"
+                if base in medians:
+                    ratios[(system, dtype)].append(medians[system] / medians[base])
         print(f"round {r + 1}/{args.rounds} done", flush=True)
     tokens = MICRO_BATCH * CFG.seq_len * args.world_size
     print(f"\n{CFG}, micro-batch {MICRO_BATCH}/rank, {args.world_size} ranks, {args.device}, "
           f"{args.rounds} rounds x {TIMED} timed steps")
     header = (
-        f"{'system':7s} {'dtype':5s} {'median ms':>9s} {'x DDP':>6s} {'spread':>13s} {'tok/s':>7s} "
-        f"{'states MB':>9s} {'/formula':>8s} {'trans MB':>8s}  elements per step by call"
+        f"{'system':8s} {'dtype':5s} {'median ms':>9s} {'x base':>6s} {'spread':>13s} "
+        f"{'tok/s':>7s} {'states MB':>9s} {'/formula':>8s} {'trans MB':>8s}  "
+        "elements per step by call"
     )
     print(header)
     for dtype in args.dtypes.split(","):
         for system in systems:
             runs = results[(system, dtype)]
             med = statistics.median(t for run in runs for t in run["times"])
-            rs = ratios[(system, dtype)]
+            rs = ratios[(system, dtype)] or [math.nan]
             mem = runs[-1]["memory"]
             ref = formula(runs[-1]["numel"], world_size=args.world_size, stage=STAGE[system],
                           param_dtype=torch.bfloat16 if dtype == "bf16" and system.startswith("zl")
-                          else torch.float32)
+                          else torch.float32,
+                          offload="disk" if system.endswith("-disk") else None)
             elements = ", ".join(
                 f"{k}={v / 1e6:.2f}M" for k, v in sorted(runs[-1]["elements"].items())
             )
             print(
-                f"{system:7s} {dtype:5s} {med * 1e3:9.1f} {statistics.mean(rs):6.3f} "
+                f"{system:8s} {dtype:5s} {med * 1e3:9.1f} {statistics.mean(rs):6.3f} "
                 f"{min(rs):6.3f}-{max(rs):6.3f} {tokens / med:7.0f} {mem.model_states / 1e6:9.1f} "
                 f"{mem.model_states / ref.model_states:8.3f} {mem.transient / 1e6:8.1f}  {elements}"
             )
+    _offload_table(systems, args.dtypes.split(","), results)
+
+
+def _offload_table(systems, dtypes, results) -> None:
+    """Per -disk system: resident drop (peak RSS per rank, by track()) against its bytes."""
+    rows = [s for s in systems if s.endswith("-disk") and s.removesuffix("-disk") in systems]
+    if not rows:
+        return
+    print("\n'x base' of a -disk row is its step time over the same stage in RAM.")
+    print(f"{'system':8s} {'dtype':5s} {'RSS MB in RAM':>13s} {'RSS MB disk':>11s} "
+          f"{'drop MB':>8s} {'on disk MB':>10s} {'drop/disk':>9s} {'CPU ms RAM':>10s} "
+          f"{'CPU ms disk':>11s} {'CPU x':>6s}")
+    for dtype in dtypes:
+        for system in rows:
+            base = results[(system.removesuffix("-disk"), dtype)]
+            disk = results[(system, dtype)]
+            # Rank 0's peak RSS per step as track() saw it: median over steps, then rounds.
+            ram_rss = statistics.median(r["rss_peak"] for r in base)
+            disk_rss = statistics.median(r["rss_peak"] for r in disk)
+            offloaded = disk[-1]["offloaded"]
+            # Rank 0's CPU time per timed step (its threads included), median over all.
+            ram_cpu = statistics.median(c for r in base for c in r["cpu"])
+            disk_cpu = statistics.median(c for r in disk for c in r["cpu"])
+            print(f"{system:8s} {dtype:5s} {ram_rss / 1e6:13.1f} {disk_rss / 1e6:11.1f} "
+                  f"{(ram_rss - disk_rss) / 1e6:8.1f} {offloaded / 1e6:10.1f} "
+                  f"{(ram_rss - disk_rss) / offloaded:9.2f} {ram_cpu * 1e3:10.1f} "
+                  f"{disk_cpu * 1e3:11.1f} {disk_cpu / ram_cpu:6.3f}")
 
 
 if __name__ == "__main__":

@@ -96,10 +96,22 @@ _ENV_FIELDS: dict[str, tuple[str, Callable[[str], Any], Any]] = {
     "collectives": ("ZEROLITE_COLLECTIVES", lambda s: s.strip().lower(), "auto"),
     "timeout_s": ("ZEROLITE_TIMEOUT_S", lambda s: _parse_number("timeout_s", s, float), 600.0),
     "partition": ("ZEROLITE_PARTITION", lambda s: s.strip().lower(), "auto"),
+    "offload": (
+        "ZEROLITE_OFFLOAD",
+        lambda s: None if s.strip().lower() in ("", "none") else s.strip().lower(),
+        None,
+    ),
+    "offload_dir": ("ZEROLITE_OFFLOAD_DIR", lambda s: s or None, None),
+    "offload_fraction": (
+        "ZEROLITE_OFFLOAD_FRACTION",
+        lambda s: _parse_number("offload_fraction", s, float),
+        1.0,
+    ),
 }
 
 COLLECTIVES = ("auto", "native", "point_to_point")
 PARTITIONS = ("flat", "tensor", "auto")
+OFFLOAD_TIERS = (None, "disk", "host")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -147,6 +159,18 @@ class ZeroConfig:
             raises `zerolite.CollectiveTimeout` naming the operation and the step (a rank
             that skipped ``step()``, saved alone or died). On NCCL, waits are asynchronous
             and the process group's own timeout is the bound. Env: ``ZEROLITE_TIMEOUT_S``.
+        offload: where this rank's share of the optimizer state lives (its moments, and
+            the fp32 masters when parameters are 16-bit; fp32 masters are the parameters
+            and stay): ``None`` (default) in compute memory; ``"disk"``: a preallocated
+            file per rank under ``offload_dir``; ``"host"``: pinned host memory for a CUDA
+            model (a separate host arena on CPU). The step streams it through in chunks
+            (see `zerolite.optim.streamed_step`). Env: ``ZEROLITE_OFFLOAD``.
+        offload_dir: ``"disk"``: an existing, writable directory for the files (removed
+            when the model is garbage-collected or the process exits). Env:
+            ``ZEROLITE_OFFLOAD_DIR``.
+        offload_fraction: the fraction, in (0, 1], of this rank's shard elements whose
+            state is offloaded, rounded up to whole parameter pieces (the first pieces in
+            layout order). Env: ``ZEROLITE_OFFLOAD_FRACTION``.
         init_fn: for a model built under ``torch.device("meta")`` only: called as
             ``init_fn(module)`` on every module (children before parents, as
             ``nn.Module.apply``) once its parameters have storage, instead of each
@@ -179,6 +203,9 @@ class ZeroConfig:
     reshard_after_forward: bool = _UNSET
     collectives: str = _UNSET
     timeout_s: float = _UNSET
+    offload: str | None = _UNSET
+    offload_dir: str | None = _UNSET
+    offload_fraction: float = _UNSET
     init_fn: Callable[[torch.nn.Module], None] | None = None
     partition: str = _UNSET
     # Fields with environment variables that took their default (no argument, no variable):
@@ -297,6 +324,7 @@ class ZeroConfig:
                 f"ZeroConfig.timeout_s: got {t!r}; allowed: a finite number of seconds > 0"
             )
         object.__setattr__(self, "timeout_s", float(t))
+        self._validate_offload()
         if self.init_fn is not None and not callable(self.init_fn):
             raise ValueError(
                 f"ZeroConfig.init_fn: got {self.init_fn!r}; allowed: None or a callable module -> "
@@ -310,6 +338,31 @@ class ZeroConfig:
                 f"ZeroConfig.elementwise_optimizers: got {eo!r}; allowed: a tuple of "
                 "torch.optim.Optimizer subclasses"
             )
+
+    def _validate_offload(self) -> None:
+        if self.offload not in OFFLOAD_TIERS:
+            raise ValueError(
+                f"ZeroConfig.offload: got {self.offload!r}; allowed: None, 'disk' or 'host'"
+            )
+        if self.offload_dir is not None:
+            if not isinstance(self.offload_dir, (str, os.PathLike)):
+                raise ValueError(
+                    f"ZeroConfig.offload_dir: got {self.offload_dir!r}; allowed: None or a "
+                    "directory path"
+                )
+            object.__setattr__(self, "offload_dir", os.fspath(self.offload_dir))
+        if self.offload == "disk" and self.offload_dir is None:
+            raise ValueError(
+                "ZeroConfig.offload_dir: offload='disk' needs a directory for its files; pass "
+                "offload_dir=... (or set ZEROLITE_OFFLOAD_DIR)"
+            )
+        f = self.offload_fraction
+        if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 < f <= 1:
+            raise ValueError(
+                f"ZeroConfig.offload_fraction: got {f!r}; allowed: a number in (0, 1] (the "
+                "fraction of this rank's shard whose optimizer state is offloaded)"
+            )
+        object.__setattr__(self, "offload_fraction", float(f))
 
     @property
     def grad_dtype(self) -> torch.dtype:

@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from zerolite.layout import ParamPiece
     from zerolite.meta_init import MetaBuild
     from zerolite.optim.master import MasterShard
+    from zerolite.optim.offload import OffloadTier
     from zerolite.optim.sharded_optimizer import ShardedOptimizer
     from zerolite.unit_scheduler import UnitScheduler
 
@@ -60,7 +61,15 @@ class Piece:
         master: fp32, ``param_end - param_start`` elements: the piece's master, a tensor
             of the optimizer's param groups; 1-D, or in the parameter's shape under
             whole-tensor ownership (then ``param_start == 0``, ``param_end == numel``).
-        state: the optimizer's state of ``master`` (``{}`` before its first step).
+        state: the optimizer's state of ``master`` (``{}`` before its first step). For an
+            offloaded piece, only its scalar entries (``step``): read the rest with
+            `read_state`.
+        tier: the `OffloadTier` holding the piece's state (and 16-bit master, ``master``
+            then being a meta placeholder), or None when it is resident.
+        slot: the piece's slot in ``tier``.
+
+    Code that reads or writes values (checkpoints, loads) goes through `read_master`,
+    `read_state` and `write`, which work for resident and offloaded pieces alike.
     """
 
     name: str
@@ -71,6 +80,51 @@ class Piece:
     offsets: ParamPiece
     master: torch.Tensor
     state: dict[str, Any]
+    tier: OffloadTier | None = None
+    slot: int = -1
+    optimizer_state: Mapping[Any, Any] | None = dataclasses.field(default=None, repr=False)
+
+    @property
+    def master_offloaded(self) -> bool:
+        """Whether the master lives on the tier (16-bit; ``master`` is a meta placeholder)."""
+        return self.tier is not None and self.tier.has_master(self.slot)
+
+    def write_master(self, values: torch.Tensor) -> None:
+        """Replace the master's values (1-D fp32); see `write`."""
+        if not self.master_offloaded:
+            self.master.copy_(values)
+            return
+        assert self.tier is not None
+        self.tier.write(self.slot, "master", 0, values)
+        # publish() casts only the resident masters into the parameter shard: this one now.
+        self.flat.shard[self.offsets.shard_start :][: self.offsets.numel].copy_(values)
+
+    def read_master(self) -> torch.Tensor:
+        """The piece's fp32 master values (1-D; a new CPU tensor when offloaded)."""
+        if self.tier is not None and self.tier.has_master(self.slot):
+            return self.tier.read(self.slot, "master", 0, self.param_end - self.param_start)
+        return self.master.detach()
+
+    def read_state(self) -> dict[str, Any]:
+        """The piece's whole optimizer state (per-element entries read from the tier)."""
+        if self.tier is None:
+            return self.state
+        return {**self.state, **self.tier.read_state(self.slot)}
+
+    def write(self, master: torch.Tensor, state: dict[str, Any]) -> None:
+        """Replace the piece's master values and optimizer state (a load). The parameters
+        show the new masters after `ShardState.publish` (every rank must call it)."""
+        assert self.optimizer_state is not None
+        target: Any = self.optimizer_state
+        self.write_master(master)
+        if self.tier is None:
+            target[self.master] = {k: v.to(self.master.device) for k, v in state.items()}
+            return
+        scalars = self.tier.write_state(self.slot, dict(state))
+        device = self.tier.device  # (``master`` may be a meta placeholder)
+        target[self.master] = {
+            k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in scalars.items()
+        }
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,15 +145,20 @@ class FrozenPiece:
     shard: torch.Tensor
 
 
-def pieces_of(masters: list[MasterShard], optimizer_state: Mapping[Any, Any]) -> Iterator[Piece]:
+def pieces_of(
+    masters: list[MasterShard],
+    optimizer_state: Mapping[Any, Any],
+    tier: OffloadTier | None = None,
+) -> Iterator[Piece]:
     """This rank's piece of every parameter of ``masters``' flat buffers, in layout order.
 
     `ShardState.pieces` with the state spelled out: `shard()` needs it before the state
-    exists, to re-point the optimizer at the pieces.
+    exists, to re-point the optimizer at the pieces (and before the offload tier exists).
     """
-    for master in masters:
+    for b, master in enumerate(masters):
         flat = master.flat
-        for piece, tensor in zip(flat.pieces, master.pieces):
+        for j, (piece, tensor) in enumerate(zip(flat.pieces, master.pieces)):
+            slot = None if tier is None else tier.slot_of(b, j)
             yield Piece(
                 name=flat.names[piece.index],
                 index=piece.index,
@@ -109,6 +168,9 @@ def pieces_of(masters: list[MasterShard], optimizer_state: Mapping[Any, Any]) ->
                 offsets=piece,
                 master=tensor,
                 state=optimizer_state.get(tensor, {}),
+                tier=None if slot is None else tier,
+                slot=-1 if slot is None else slot,
+                optimizer_state=optimizer_state,
             )
 
 
@@ -127,6 +189,7 @@ class ShardState:
         grads: the backward hooks feeding ``reducer`` (their ``_handles``).
         layout_digest: sha256 of what every rank agreed on at `shard()`.
         meta_build: a meta build's `MetaBuild` until its first forward passes, else None.
+        offload: the `OffloadTier` (``config.offload`` set), else None.
     """
 
     def __init__(
@@ -155,6 +218,7 @@ class ShardState:
         self.grads = grads
         self.layout_digest = layout_digest
         self.meta_build = meta_build
+        self.offload: OffloadTier | None = None
         # Weak: see the module docstring (the model's hooks keep the scheduler alive).
         self._model = weakref.ref(model)
         self._scheduler = None if scheduler is None else weakref.ref(scheduler)
@@ -183,7 +247,7 @@ class ShardState:
 
     def pieces(self) -> Iterator[Piece]:
         """This rank's piece of every trained parameter: buffer by buffer, in layout order."""
-        return pieces_of(self.masters, self.inner.state)
+        return pieces_of(self.masters, self.inner.state, self.offload)
 
     def frozen_pieces(self) -> Iterator[FrozenPiece]:
         """Stage 3: this rank's piece of every frozen parameter, in layout order."""

@@ -43,6 +43,7 @@ from zerolite.meta_init import (
 from zerolite.model_changes import guard_conversions, install_no_sync
 from zerolite.optim.master import MasterShard
 from zerolite.optim.multi import MultiOptimizer
+from zerolite.optim.offload import OffloadLayout, build_tier, plan_offload
 from zerolite.optim.repoint import repoint_optimizer
 from zerolite.optim.sharded_optimizer import ShardedOptimizer
 from zerolite.plan import ShardPlan, plan_layout
@@ -110,11 +111,12 @@ def shard(
             optimizer = MultiOptimizer(optimizer)
         plan = plan_layout(model, optimizer, config)
         lines += plan.describe(config, optimizer, model)
+        offload = plan_offload(plan, optimizer, config, group)
     digest = hashlib.sha256("\n".join(lines).encode()).hexdigest()
     with phase_events.phase("build"):
         sharded = _build(
             model, cast(torch.optim.Optimizer, optimizer), config, group, cast(ShardPlan, plan),
-            digest,
+            digest, offload,
         )
     phase_events.built(sharded)
     return sharded
@@ -127,6 +129,7 @@ def _build(
     group: Group,
     plan: ShardPlan,
     layout_digest: str,
+    offload: OffloadLayout | None = None,
 ) -> ShardedOptimizer:
     policy = STAGES[config.stage]
     # Whole-tensor ownership: each buffer's parameters reordered by owner (before any buffer
@@ -171,13 +174,17 @@ def _build(
             what="shard()'s broadcast of rank 0's unsharded parameters and buffers",
         )
     flats, frozen_flats = all_flats[: len(plan.flat_params)], all_flats[len(plan.flat_params) :]
-    masters = [MasterShard(flat) for flat in flats]
+    masters = [
+        MasterShard(flat, 0 if offload is None else offload.per_buffer[i])
+        for i, flat in enumerate(flats)
+    ]
     if isinstance(optimizer, MultiOptimizer):
         optimizer.bind()
     repoint_optimizer(
         optimizer, pieces_of(masters, optimizer.state), plan.group_of,
         [p for _, p in plan.frozen],
     )
+    tier = None if offload is None else build_tier(offload, masters, optimizer, config, group)
     for flat in flats:
         for p in flat.params:
             p.grad = None
@@ -224,6 +231,7 @@ def _build(
         layout_digest=layout_digest,
         meta_build=meta_build,
     )
+    state.offload = tier
     sharded = ShardedOptimizer(optimizer, state)
     state.optimizer = sharded
     register(model, state)

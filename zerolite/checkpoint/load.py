@@ -45,6 +45,7 @@ from zerolite.consensus import agreed
 from zerolite.meta_init import mark_loaded
 from zerolite.optim.multi import class_name
 from zerolite.optim.sharded_optimizer import ShardedOptimizer, require_sharded_optimizer
+from zerolite.shard_state import Piece
 
 __all__ = ["load"]
 
@@ -147,8 +148,8 @@ class _RangeReader:
 
 def _read_rank_state(
     path: Path, index: dict[str, Any], opt: ShardedOptimizer
-) -> list[tuple[torch.Tensor, torch.Tensor, dict]]:
-    """Per master piece of this rank: (piece tensor, fp32 values, optimizer state)."""
+) -> list[tuple[Piece, torch.Tensor, dict]]:
+    """Per master piece of this rank: (the piece, fp32 values, optimizer state)."""
     reader = _RangeReader(path, index)
     keys = _state_keys(path, index)
     out = []
@@ -164,7 +165,7 @@ def _read_rank_state(
             # Per-element state is saved flat; state of its own shape comes back as saved.
             per_element = not scalar and value.dim() == 1 and value.numel() == e - s
             state[key] = value.view(shape) if per_element else value
-        out.append((piece.master, values, state))
+        out.append((piece, values, state))
     return out
 
 
@@ -343,9 +344,8 @@ def _load(
         restore_schedulers(loaded_schedulers)
         raise
     # Nothing else has changed so far; from here on every read has succeeded on every rank.
-    for tensor, values, state in pieces:
-        tensor.copy_(values)
-        optimizer.state[tensor] = {k: v.to(tensor.device) for k, v in state.items()}
+    for piece, values, state in pieces:
+        piece.write(values, state)  # through the offload tier where the piece lives there
     for group_dict, saved in zip(optimizer.param_groups, hyper):
         for key, value in saved.items():
             current = group_dict.get(key)

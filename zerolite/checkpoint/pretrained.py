@@ -24,7 +24,7 @@ from zerolite.checkpoint.format import CheckpointError
 from zerolite.checkpoint.save import model_only_tensors, state_dict_names
 from zerolite.consensus import agreed
 from zerolite.meta_init import mark_loaded
-from zerolite.shard_state import require_state
+from zerolite.shard_state import Piece, require_state
 
 __all__ = ["load_pretrained"]
 
@@ -169,7 +169,10 @@ def _load(
         paths, mapped = _files(files)
         plan, loaded = _plan(model, opt, _locate(paths, mapped), strict)
     for target, values in plan:
-        target.copy_(values.reshape(target.shape))
+        if isinstance(target, Piece):  # its master lives on the offload tier
+            target.write_master(values.reshape(-1))
+        else:
+            target.copy_(values.reshape(target.shape))
     opt.publish_masters()
     mark_loaded(model, loaded)
 
@@ -194,7 +197,7 @@ def _plan(
                 return candidate
         return None
 
-    plan: list[tuple[torch.Tensor, torch.Tensor]] = []
+    plan: list[tuple[torch.Tensor | Piece, torch.Tensor]] = []
     missing: list[str] = []
     loaded: list[str] = []
     used: set[str] = set()
@@ -211,8 +214,10 @@ def _plan(
         key = keys[id(piece.flat)][piece.index]
         if key is not None:
             values = _read_range(where[key][0], key, piece.param_start, piece.param_end)
-            # A master owned whole (partition="tensor") has its parameter's shape.
-            plan.append((dest, values.to(dest.dtype).view(dest.shape)))
+            # A master owned whole (partition="tensor") has its parameter's shape; an
+            # offloaded one is written through its piece.
+            offloaded = isinstance(piece, Piece) and piece.master_offloaded
+            plan.append((piece if offloaded else dest, values.to(dest.dtype).view(dest.shape)))
     in_state_dict = set(state_dict_names(model))
     for name, tensor in model_only_tensors(model, opt).items():
         key = source(name, tensor)

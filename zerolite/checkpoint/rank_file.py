@@ -82,10 +82,11 @@ def rank_file(model: nn.Module, opt: ShardedOptimizer) -> RankFile:
         # Flattened, so that any layout reads element ranges of it; state of another shape
         # than the master (Adafactor's row and column factors of a whole owned tensor) is
         # kept in its own shape and read back whole.
-        tensors[master_key(name, start, end)] = piece.master.detach().reshape(-1)
-        for key, value in piece.state.items():
+        master = piece.read_master()
+        tensors[master_key(name, start, end)] = master.reshape(-1)
+        for key, value in piece.read_state().items():
             if isinstance(value, torch.Tensor):
-                per_element = value.dim() > 0 and value.shape == piece.master.shape
+                per_element = value.dim() > 0 and value.shape == master.shape
                 tensors[state_key(key, name, start, end)] = (
                     value.detach().reshape(-1) if per_element else value.detach()
                 )

@@ -11,13 +11,14 @@ import importlib
 import math
 import os
 import sys
+import tempfile
 
 import torch
 from torch import nn
 
 from zerolite.config import ZeroConfig
 from zerolite.memory.estimate import estimate
-from zerolite.memory.footprint import MemoryBreakdown
+from zerolite.memory.footprint import MemoryBreakdown, offload_label
 from zerolite.optim.registry import NAMED
 from zerolite.stages import STAGES
 
@@ -61,6 +62,11 @@ def add_estimate_arguments(parser: argparse.ArgumentParser) -> None:
                         help="gradient dtype (default: --dtype)")
     # The names the estimator knows state layouts for: one registry, so the two cannot drift.
     parser.add_argument("--optimizer", default="adamw", choices=sorted(NAMED))
+    parser.add_argument("--offload", choices=["disk", "host"], default=None,
+                        help="optimizer state (and 16-bit masters) on this tier "
+                             "(ZeroConfig.offload): shown as its own column")
+    parser.add_argument("--offload-fraction", type=float, default=1.0,
+                        help="fraction of each rank's shard offloaded, in (0, 1] (default 1)")
 
 
 def _gb(n: int) -> str:
@@ -115,13 +121,22 @@ def run_estimate(args: argparse.Namespace) -> int:
         subject = count = args.params
     print(f"{count:,} parameters, {args.world_size} ranks, {args.dtype} parameters, "
           f"{args.reduce_dtype or args.dtype} gradients, {args.optimizer}; decimal GB per rank")
+    offload = args.offload
+    if offload is not None:
+        print(f"{args.offload_fraction:g} of each rank's optimizer state offloaded: "
+              f"'{offload_label(offload)}' (stages 1-3; DDP keeps it)")
     print(
         f"{'stage':8s} {'params':>8s} {'grads':>8s} {'master':>8s} {'optim':>8s} "
-        f"{'model states':>13s} {'transient':>10s}"
+        f"{'model states':>13s} {'transient':>10s}" + (f" {offload:>9s}" if offload else "")
     )
     for stage, policy in STAGES.items():
-        config = ZeroConfig(stage=stage, param_dtype=dtype, reduce_dtype=reduce)
         ddp = not policy.shards_optimizer_state  # DDP shards nothing: counted, not planned
+        # The estimate only lays the tier out; the directory is checked by shard().
+        config = ZeroConfig(
+            stage=stage, param_dtype=dtype, reduce_dtype=reduce,
+            offload=None if ddp else offload, offload_fraction=args.offload_fraction,
+            offload_dir=tempfile.gettempdir() if offload == "disk" else None,
+        )
         target = count if ddp else subject
         b: MemoryBreakdown = estimate(
             target, world_size=args.world_size, config=config, optimizer=args.optimizer
@@ -131,5 +146,6 @@ def run_estimate(args: argparse.Namespace) -> int:
             f"{label:8s} {_gb(b.params):>8s} {_gb(b.grads):>8s} {_gb(b.master):>8s} "
             f"{_gb(b.optimizer_state):>8s} "
             f"{_gb(b.model_states):>13s} {_gb(b.transient) if b.transient else '-':>10s}"
+            + (f" {_gb(b.offloaded):>9s}" if offload else "")
         )
     return 0

@@ -15,6 +15,10 @@ same padding, the same per-parameter master pieces on the chosen rank -- and cou
   the step; stage 2 two buckets (one filling, one in flight) and one autograd gradient of
   the largest parameter; stage 3 adds ``prefetch + 1`` gathered units plus the root;
   16-bit gradients add the fp32 upcast of one shard.
+- offloaded (``config.offload``): the pieces `zerolite.optim.offload` would move to the
+  tier -- their per-element state, and their masters when 16-bit -- taken out of
+  ``master`` and ``optimizer_state``; transient adds the streamed step's three chunks
+  in flight (each at most the tier's size).
 
 The four model-state fields are byte-exact against `footprint` of the same model,
 optimizer and config (that is tested), so it can be used to choose a stage, a world
@@ -32,6 +36,12 @@ from zerolite.config import ZeroConfig
 from zerolite.layout import FlatLayout
 from zerolite.memory.footprint import MemoryBreakdown, formula, layout_imbalance
 from zerolite.optim.multi import inner_optimizers
+from zerolite.optim.offload import (
+    OffloadLayout,
+    chunk_bytes_for,
+    offload_layout,
+    state_fields,
+)
 from zerolite.optim.registry import NAMED, build_named, name_of, spec_of
 from zerolite.optim.sharded_optimizer import require_sharded_optimizer
 from zerolite.plan import plan_layout
@@ -76,8 +86,10 @@ def _breakdown(
     rank: int,
     unmanaged: list[nn.Parameter],
     frozen: list[FlatLayout],
+    offload: OffloadLayout | None = None,
 ) -> MemoryBreakdown:
-    """``frozen``: stage 3's buffers of frozen parameters (sharded, no gradient, no state)."""
+    """``frozen``: stage 3's buffers of frozen parameters (sharded, no gradient, no state);
+    ``offload``: what moves to the tier."""
     policy = STAGES[config.stage]
     p = _size(config.param_dtype)
     g = _size(config.grad_dtype)  # reduced gradients (the buckets and their shards)
@@ -114,15 +126,20 @@ def _breakdown(
         units += [f.padded_numel for f in frozen]
         transient += ((config.prefetch + 1) * max(units, default=0) + root) * p
     frozen_shards = sum(f.shard_numel for f in frozen) * p
+    master = 0 if config.param_dtype == torch.float32 else 4 * held(policy.shards_optimizer_state)
+    if offload is not None:
+        master -= offload.master_bytes
+        state -= offload.state_bytes
+        transient += 3 * min(offload.nbytes, chunk_bytes_for(offload.nbytes))
     return MemoryBreakdown(
         params=held(policy.shards_parameters) * p + frozen_shards + other,
         grads=held(policy.shards_gradients) * kept_g + other_grads,
-        master=0
-        if config.param_dtype == torch.float32
-        else 4 * held(policy.shards_optimizer_state),
+        master=master,
         optimizer_state=state,
         transient=transient,
         ownership_imbalance=layout_imbalance(b.layout for b in buffers),
+        offloaded=0 if offload is None else offload.nbytes,
+        offload_tier=None if offload is None else offload.tier,
     )
 
 
@@ -158,7 +175,8 @@ def estimate(
     if not isinstance(model_or_count, nn.Module):
         return formula(_count(model_or_count), world_size=world_size, stage=config.stage,
                        param_dtype=config.param_dtype, reduce_dtype=config.reduce_dtype,
-                       optimizer=_formula_name(optimizer))
+                       optimizer=_formula_name(optimizer), offload=config.offload,
+                       offload_fraction=config.offload_fraction)
     if config.stage == 0:
         raise ValueError("stage=0 (DDP) is estimated from a count: estimate(num_params, ...)")
     model = model_or_count
@@ -187,7 +205,15 @@ def estimate(
     ]
     managed = {id(p) for params in plan.all_flat_params for _, p in params}
     unmanaged = [p for p in model.parameters() if id(p) not in managed]
-    return _breakdown(buffers, opt, config, rank, unmanaged, frozen)
+    offload = None
+    if config.offload is not None:
+        # The probe step runs on CPU: a meta model's state has the same keys and dtypes.
+        fields = [state_fields(opt, g, torch.device("cpu")) for g in opt.param_groups]
+        offload = offload_layout(
+            [b.layout.numels for b in buffers], [b.groups for b in buffers], fields,
+            config=config, rank=rank, world_size=world_size,
+        )
+    return _breakdown(buffers, opt, config, rank, unmanaged, frozen, offload)
 
 
 def _count(value: object) -> int:
@@ -242,4 +268,5 @@ def estimate_sharded(opt) -> MemoryBreakdown:  # noqa: ANN001 - a ShardedOptimiz
         opt.group.rank,
         unmanaged,
         [f.layout for f in opt.frozen_flats],
+        None if opt.shard_state.offload is None else opt.shard_state.offload.layout,
     )

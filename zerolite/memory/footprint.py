@@ -18,6 +18,12 @@ One field is not bytes: ``ownership_imbalance``, under whole-tensor ownership
 rank owns (`zerolite.tensor_layout.imbalance`; 1.0 under ``"flat"``): the rank owning the
 most holds that much more master, gradient shard and optimizer state than the lightest.
 
+With ``ZeroConfig(offload=...)``, ``offloaded`` is the tier's bytes (per-element
+optimizer state, and 16-bit masters, of the offloaded pieces): their own line,
+"optimizer state on disk" (or "in host memory"), outside the resident fields above and
+outside ``model_states`` and ``total``. (A ``"host"`` arena of a CPU model is host
+memory all the same: the process RSS includes it.)
+
 `footprint` counts each distinct storage once (``untyped_storage().data_ptr()``), in
 the order of the fields above: a view shares its base's storage and is not counted
 again. `formula` is DESIGN §3's table for Adam-style state (8 bytes per parameter);
@@ -38,7 +44,7 @@ from zerolite.optim.sharded_optimizer import ShardedOptimizer, require_sharded_o
 from zerolite.stages import STAGES
 from zerolite.tensor_layout import imbalance
 
-__all__ = ["MemoryBreakdown", "footprint", "formula", "STATE_BYTES_PER_PARAM"]
+__all__ = ["MemoryBreakdown", "footprint", "formula", "offload_label", "STATE_BYTES_PER_PARAM"]
 
 @dataclasses.dataclass(frozen=True)
 class MemoryBreakdown:
@@ -50,6 +56,8 @@ class MemoryBreakdown:
     optimizer_state: int = 0
     transient: int = 0
     ownership_imbalance: float = 1.0  # max/min owned elements over ranks (not bytes)
+    offloaded: int = 0
+    offload_tier: str | None = None
 
     @property
     def model_states(self) -> int:
@@ -61,16 +69,20 @@ class MemoryBreakdown:
         return self.model_states + self.transient
 
     def __str__(self) -> str:
-        rows = [
-            (f.name, getattr(self, f.name))
-            for f in dataclasses.fields(self)
-            if f.name != "ownership_imbalance"
-        ]
+        resident = ("params", "grads", "master", "optimizer_state", "transient")
+        rows = [(name, getattr(self, name)) for name in resident]
         rows += [("model_states", self.model_states), ("total", self.total)]
         lines = [f"{name:16s} {_human(value):>12s}" for name, value in rows]
         if self.ownership_imbalance != 1.0:
             lines.append(f"{'imbalance':16s} {self.ownership_imbalance:>11.3f}x")
+        if self.offload_tier is not None:
+            lines.append(f"{offload_label(self.offload_tier)}: {_human(self.offloaded)}")
         return "\n".join(lines)
+
+
+def offload_label(tier: str) -> str:
+    """How an offload tier's line is labelled: "optimizer state on disk" / "in host memory"."""
+    return "optimizer state on disk" if tier == "disk" else "optimizer state in host memory"
 
 
 def _human(n: int) -> str:
@@ -139,9 +151,12 @@ def footprint(opt: ShardedOptimizer) -> MemoryBreakdown:
         + [f.data for f in [*opt.flats, *opt.frozen_flats] if not f.replicated]
         + opt.bookkeeping_tensors()
     )
+    tier = opt.shard_state.offload
     return MemoryBreakdown(
         params=params, grads=grads, master=master, optimizer_state=state, transient=transient,
         ownership_imbalance=layout_imbalance([f.layout for f in opt.flats]),
+        offloaded=0 if tier is None else tier.layout.nbytes,
+        offload_tier=None if tier is None else tier.layout.tier,
     )
 
 
@@ -161,6 +176,8 @@ def formula(
     param_dtype: torch.dtype = torch.float32,
     reduce_dtype: torch.dtype | None = None,
     optimizer: str = "adamw",
+    offload: str | None = None,
+    offload_fraction: float = 1.0,
 ) -> MemoryBreakdown:
     """DESIGN §3's per-rank model states for ``num_params`` parameters, without padding.
 
@@ -172,6 +189,8 @@ def formula(
         reduce_dtype: dtype of gradient shards (stages 2-3); None means ``param_dtype``.
             Stages 0-1 keep full gradients in ``param_dtype``.
         optimizer: a key of `STATE_BYTES_PER_PARAM`.
+        offload, offload_fraction: as in `zerolite.ZeroConfig`: that fraction of the
+            master and optimizer-state bytes moves to ``offloaded`` (not rounded to pieces).
     Returns:
         A `MemoryBreakdown` with ``transient = 0``. Example: 7.5e9 parameters, N=64,
         bf16, stages 0-3 give 120, 31.4, 16.6 and 1.88 GB of model states.
@@ -195,9 +214,15 @@ def formula(
     g = torch.empty(0, dtype=kept_grad_dtype).element_size()
     master_bytes = 0 if param_dtype == torch.float32 else 4
     state_bytes = STATE_BYTES_PER_PARAM[optimizer]
+    master = round(master_bytes * held(policy.shards_optimizer_state))
+    state = round(state_bytes * held(policy.shards_optimizer_state))
+    fraction = Fraction(offload_fraction) if offload is not None else Fraction(0)
+    off_master, off_state = round(master * fraction), round(state * fraction)
     return MemoryBreakdown(
         params=round(p * held(policy.shards_parameters)),
         grads=round(g * held(policy.shards_gradients)),
-        master=round(master_bytes * held(policy.shards_optimizer_state)),
-        optimizer_state=round(state_bytes * held(policy.shards_optimizer_state)),
+        master=master - off_master,
+        optimizer_state=state - off_state,
+        offloaded=off_master + off_state,
+        offload_tier=offload,
     )

@@ -23,6 +23,9 @@ The staging area of asynchronous saves is host memory held between saves (one co
 the rank's checkpoint file): ``t.staging`` is the most seen, it counts in the
 ``"staging"`` phase's ``zerolite`` peak, and ``str(t)`` prints it on a line of its own.
 
+With an offload tier the peaks stay resident bytes; `MemoryTracker.offloaded` (and a
+line of ``str(t)``) gives the tier's bytes, "optimizer state on disk".
+
 One tracker at a time per process (the high-water mark is process-wide). Use it for "what
 does each phase cost"; byte-exact accounting of zerolite's own tensors is `footprint`.
 """
@@ -41,7 +44,7 @@ import torch
 
 from zerolite import phase_events
 from zerolite.checkpoint.staging import staging_bytes
-from zerolite.memory.footprint import footprint
+from zerolite.memory.footprint import footprint, offload_label
 from zerolite.optim.sharded_optimizer import ShardedOptimizer, require_sharded_optimizer
 
 __all__ = ["track", "PhasePeak", "MemoryTracker"]
@@ -158,6 +161,12 @@ class MemoryTracker:
         self.enter("backward")
         self.sample()
 
+    @property
+    def offloaded(self) -> int:
+        """Bytes the attached optimizer keeps on its offload tier (0 without one)."""
+        tier = None if self.opt is None else self.opt.shard_state.offload
+        return 0 if tier is None else tier.layout.nbytes
+
     def close(self) -> None:
         self.sample()
         for handle in self._handles:
@@ -172,6 +181,9 @@ class MemoryTracker:
         if self.staging:
             rows.append(f"checkpoint staging area (host, held between saves): "
                         f"{self.staging / 1e6:.2f} MB")
+        tier = None if self.opt is None else self.opt.shard_state.offload
+        if tier is not None:
+            rows.append(f"{offload_label(tier.layout.tier)}: {self.offloaded / 1e6:.2f} MB")
         return "\n".join(rows)
 
 

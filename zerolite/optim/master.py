@@ -11,6 +11,11 @@ parameter that received no gradient is skipped exactly as torch skips it, and a
 checkpoint can name state by parameter and element range. Under whole-tensor ownership
 (``ZeroConfig.partition="tensor"``) a piece is a whole parameter and is viewed in the
 parameter's shape, so shape-aware optimizers (Muon, Adafactor) step it as the matrix it is.
+
+With an offload tier (`zerolite.optim.offload`) the first ``offloaded`` pieces step by
+streaming instead (`zerolite.optim.streamed_step`): they get no ``.grad`` here, and with
+16-bit parameters their master is not kept at all (a meta placeholder stands in the
+param group; the tier holds the values).
 """
 
 from __future__ import annotations
@@ -28,21 +33,40 @@ class MasterShard:
 
     Args:
         flat: the flat parameter buffer whose shard this rank owns.
+        offloaded: how many leading pieces of ``flat.pieces`` live on an offload tier.
     """
 
-    def __init__(self, flat: FlatParamBuffer) -> None:
+    def __init__(self, flat: FlatParamBuffer, offloaded: int = 0) -> None:
         self.flat = flat
-        # 1-D, fp32, shard_numel: a view of flat.shard when params are fp32, else a copy.
-        self.data: torch.Tensor = (
-            flat.shard if flat.data.dtype == torch.float32 else flat.shard.float()
-        )
+        self.offloaded = offloaded
+        fp32 = flat.data.dtype == torch.float32
+        # Where `data` starts in the shard: after the offloaded masters (16-bit only).
+        pieces = flat.pieces
+        last = pieces[offloaded - 1] if offloaded else None
+        self._start = 0 if fp32 or last is None else last.shard_start + last.numel
+        # 1-D, fp32: a view of flat.shard when params are fp32, else a copy of
+        # flat.shard[_start:] (the resident masters, and the padding).
+        self.data: torch.Tensor = flat.shard if fp32 else flat.shard[self._start :].float()
         # fp32 views of `data`, one per flat.pieces entry: what the optimizer steps. 1-D, or
-        # in the parameter's shape when pieces are whole parameters (whole-tensor ownership).
+        # in the parameter's shape when pieces are whole parameters (whole-tensor ownership);
+        # an offloaded 16-bit master is a meta tensor of its size (the tier holds it).
         self.shaped = flat.layout.owners is not None
-        self.pieces: list[torch.Tensor] = [self._view(self.data, pc) for pc in flat.pieces]
+        self.pieces: list[torch.Tensor] = [
+            torch.empty(pc.numel, dtype=torch.float32, device="meta")
+            if j < self._offloaded_masters()
+            else self._view(self.data, pc, self._start)
+            for j, pc in enumerate(pieces)
+        ]
+        # Set by set_grads for the streamed step: the gradient shard, the used flags.
+        self.grad_shard: torch.Tensor | None = None
+        self.used: torch.Tensor | None = None
 
-    def _view(self, shard: torch.Tensor, piece: ParamPiece) -> torch.Tensor:
-        view = shard[piece.shard_start : piece.shard_start + piece.numel]
+    def _offloaded_masters(self) -> int:
+        return 0 if self.flat.data.dtype == torch.float32 else self.offloaded
+
+    def _view(self, shard: torch.Tensor, piece: ParamPiece, start: int = 0) -> torch.Tensor:
+        """``piece``'s slice of ``shard`` (which begins at shard element ``start``)."""
+        view = shard[piece.shard_start - start : piece.shard_start - start + piece.numel]
         return view.view(self.flat.shapes[piece.index]) if self.shaped else view
 
     @property
@@ -56,7 +80,7 @@ class MasterShard:
     def write_back(self) -> None:
         """Cast the updated master into the parameter shard (no-op when it is a view)."""
         if not self.is_view:
-            self.flat.shard.copy_(self.data)
+            self.flat.shard[self._start :].copy_(self.data)
 
     def set_grads(self, grad_shard: torch.Tensor, used: torch.Tensor) -> None:
         """Point each piece's ``.grad`` at its slice of ``grad_shard``; None if unused.
@@ -65,9 +89,13 @@ class MasterShard:
             grad_shard: 1-D, fp32, shard_numel: this rank's reduced gradients.
             used: bool per param of the flat buffer: some rank produced a gradient.
         """
-        for piece, tensor in zip(self.flat.pieces, self.pieces):
-            tensor.grad = self._view(grad_shard, piece) if used[piece.index] else None
+        self.grad_shard, self.used = grad_shard, used
+        for j, (piece, tensor) in enumerate(zip(self.flat.pieces, self.pieces)):
+            offloaded = j < self.offloaded
+            keep = used[piece.index] and not offloaded
+            tensor.grad = self._view(grad_shard, piece) if keep else None
 
     def clear_grads(self) -> None:
+        self.grad_shard = self.used = None
         for tensor in self.pieces:
             tensor.grad = None

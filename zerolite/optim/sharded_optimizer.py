@@ -34,6 +34,7 @@ from zerolite.optim.grad_clip import clip_coefficient, global_grad_norm
 from zerolite.optim.loss_scale import DynamicLossScaler
 from zerolite.optim.master import MasterShard
 from zerolite.optim.state_dict import load_sharded_state_dict, sharded_state_dict
+from zerolite.optim.streamed_step import stream_step
 from zerolite.shard_state import ShardState
 
 __all__ = ["ShardedOptimizer", "require_sharded_optimizer"]
@@ -221,6 +222,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if not masters:
             return
         self.optimizer.step()
+        if self.shard_state.offload is not None:  # the offloaded pieces, chunk by chunk
+            stream_step(self.shard_state.offload, masters, self.optimizer)
         for master in masters:
             master.clear_grads()
             master.write_back()

@@ -28,6 +28,11 @@ FORMAT = 1
 
 def sharded_state_dict(opt: ShardedOptimizer) -> dict[str, Any]:
     """This rank's optimizer state; tensors are references, as torch's ``state_dict()``."""
+    if opt.shard_state.offload is not None:
+        raise RuntimeError(
+            "state_dict() holds the whole state in memory, and this model offloads it "
+            "(ZeroConfig.offload): save with zerolite.checkpoint.save, which reads the tier"
+        )
     inner = opt.optimizer.state_dict()
     inner["zerolite"] = {
         "format": FORMAT,
@@ -131,6 +136,11 @@ def _check(opt: ShardedOptimizer, state_dict: dict[str, Any]) -> None:
 def load_sharded_state_dict(opt: ShardedOptimizer, state_dict: dict[str, Any]) -> None:
     """Load this rank's dict (every rank must call, each with its own rank's dict)."""
     with agreed("ShardedOptimizer.load_state_dict()", opt.group, [opt.layout_digest]):
+        if opt.shard_state.offload is not None:
+            raise RuntimeError(
+                "load_state_dict() is for in-memory state, and this model offloads it "
+                "(ZeroConfig.offload): load with zerolite.checkpoint.load"
+            )
         _check(opt, state_dict)
     meta = state_dict["zerolite"]
     opt.optimizer.load_state_dict({k: v for k, v in state_dict.items() if k != "zerolite"})

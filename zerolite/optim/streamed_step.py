@@ -1,0 +1,226 @@
+"""The streamed step: offloaded pieces go through the user's optimizer chunk by chunk.
+
+`ShardedOptimizer` first steps the resident pieces (the offloaded ones have no
+``.grad`` then, so torch skips them), then calls `stream_step` for the same buffers.
+The offloaded elements are cut into chunks of at most ``tier.chunk_bytes`` (a piece may
+span several chunks). While one chunk steps, a reader thread loads the next from the
+arena and a writer thread stores the previous one: three staging buffers of about
+``chunk_bytes``, allocated once per tier and reused, hold everything in flight.
+
+Each chunk is stepped by the user's own optimizer instance: its param groups are
+pointed, for the call, at the chunk's fp32 master segments (new tensors: values read
+from the tier, or views of the parameter shard in fp32), ``optimizer.state`` gets each
+segment's state (its per-element slices and a copy of the piece's scalars), and
+``optimizer.step()`` runs the same elementwise update it runs in memory -- so results
+are bitwise those of the in-memory step. A piece's ``step`` counter is shared by its
+segments: each starts from the piece's value, and the piece keeps the result.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from concurrent.futures import Future
+from typing import Any
+
+import torch
+
+from zerolite.optim.master import MasterShard
+from zerolite.optim.offload import MASTER, OffloadTier
+
+__all__ = ["stream_step"]
+
+_ALIGN = 64  # bytes: where each field's view starts in a staging buffer
+
+
+@dataclasses.dataclass
+class _Segment:
+    """Elements [lo, hi) of one offloaded piece, and what one chunk step needs of them."""
+
+    slot: int
+    master: MasterShard
+    position: int
+    lo: int
+    hi: int
+    group: int
+    # Snapshots taken before the step's first chunk: a later segment of the same piece
+    # must start from the piece's state before this step, not after its earlier chunk.
+    initialized: bool
+    scalars: dict[str, Any]
+    values: torch.Tensor | None = None  # fp32 master segment (the tensor that steps)
+    state: dict[str, Any] | None = None
+
+
+def stream_step(
+    tier: OffloadTier, masters: list[MasterShard], optimizer: torch.optim.Optimizer
+) -> None:
+    """Step the offloaded pieces of ``masters`` (their gradients set by ``set_grads``).
+
+    Args:
+        tier: the model's offload tier.
+        masters: the buffers stepped now, each with ``grad_shard`` and ``used`` set.
+        optimizer: the user's optimizer (its param groups hold the master pieces).
+    """
+    group_of = {
+        id(t): g for g, group in enumerate(optimizer.param_groups) for t in group["params"]
+    }
+    chunks = _chunks(tier, masters, group_of, optimizer.state)
+    if not chunks:
+        return
+    reader, writer = tier.threads()
+    loading: Future = reader.submit(_load, tier, chunks[0], 0)
+    writing: Future | None = None
+    try:
+        for i in range(len(chunks)):
+            chunk = loading.result()
+            if i + 1 < len(chunks):
+                # Staging buffer (i + 1) % 3 last held chunk i - 2, whose write is done.
+                loading = reader.submit(_load, tier, chunks[i + 1], (i + 1) % len(tier.staging))
+            _step_chunk(tier, chunk, optimizer)
+            if writing is not None:
+                writing.result()
+            writing = writer.submit(_store, tier, chunk)
+    finally:
+        for pending in (loading, writing):
+            if pending is not None:
+                pending.result()
+
+
+def _chunks(
+    tier: OffloadTier,
+    masters: list[MasterShard],
+    group_of: dict[int, int],
+    optimizer_state: dict[Any, Any],
+) -> list[list[_Segment]]:
+    """This step's offloaded, used pieces, cut into chunks of at most ``chunk_bytes``."""
+    chunks: list[list[_Segment]] = []
+    current: list[_Segment] = []
+    room = 0
+    for master in masters:
+        if master.offloaded == 0:
+            continue
+        buffer = master.flat.index  # trained buffers come first: the bucket's index
+        assert master.used is not None
+        for j in range(master.offloaded):
+            piece = master.flat.pieces[j]
+            if not master.used[piece.index]:
+                continue  # no gradient anywhere: torch would skip it, state unchanged
+            slot = tier.slot_of(buffer, j)
+            assert slot is not None
+            per = max(1, tier.layout.slots[slot].bytes_per_element)
+            group = group_of[id(master.pieces[j])]
+            initialized = tier.initialized[slot]
+            scalars = optimizer_state.get(master.pieces[j], {})
+            lo = 0
+            while lo < piece.numel:
+                if room <= 0:
+                    if current:
+                        chunks.append(current)
+                    current, room = [], tier.chunk_bytes
+                take = min(piece.numel - lo, max(1, room // per))
+                copied = {k: v.clone() if isinstance(v, torch.Tensor) else v
+                          for k, v in scalars.items()}
+                current.append(
+                    _Segment(slot, master, j, lo, lo + take, group, initialized, copied)
+                )
+                room -= take * per
+                lo += take
+    if current:
+        chunks.append(current)
+    return chunks
+
+
+def _load(tier: OffloadTier, chunk: list[_Segment], buffer: int) -> list[_Segment]:
+    """Reader thread: the segments' masters (when offloaded) and per-element state, read
+    into views of staging buffer ``buffer`` (reused every step: no allocation, so nothing
+    for the allocator to keep)."""
+    need = 0
+    for seg in chunk:
+        names = [MASTER] if tier.has_master(seg.slot) else []
+        names += tier.state_keys(seg.slot) if seg.initialized else []
+        need += sum(_ALIGN + (seg.hi - seg.lo) * tier.field_dtype(seg.slot, n).itemsize
+                    for n in names)
+    staging = tier.staging[buffer]
+    if staging.numel() < need:  # many tiny segments: their alignment overran chunk_bytes
+        staging = tier.staging[buffer] = torch.empty(need, dtype=torch.uint8)
+    offset = 0
+
+    def read(seg: _Segment, name: str) -> torch.Tensor:
+        nonlocal offset
+        dtype = tier.field_dtype(seg.slot, name)
+        offset = -(-offset // _ALIGN) * _ALIGN
+        nbytes = (seg.hi - seg.lo) * dtype.itemsize
+        out = staging[offset : offset + nbytes].view(dtype)
+        offset += nbytes
+        tier.read_into(seg.slot, name, seg.lo, out)
+        return out
+
+    for seg in chunk:
+        if tier.has_master(seg.slot):
+            seg.values = read(seg, MASTER)
+        seg.state = (
+            {key: read(seg, key) for key in tier.state_keys(seg.slot)} if seg.initialized else {}
+        )
+    return chunk
+
+
+def _step_chunk(tier: OffloadTier, chunk: list[_Segment], optimizer: torch.optim.Optimizer) -> None:
+    """Main thread: one ``optimizer.step()`` over the chunk's segments."""
+    groups: list[list[torch.Tensor]] = [[] for _ in optimizer.param_groups]
+    device = tier.device
+    for seg in chunk:
+        master, piece = seg.master, seg.master.flat.pieces[seg.position]
+        if seg.values is None:  # fp32: the master is the parameter shard; step it in place
+            seg.values = master.pieces[seg.position][seg.lo : seg.hi]
+        elif seg.values.device != device:
+            seg.values = seg.values.to(device)
+        assert master.grad_shard is not None and seg.state is not None
+        start = piece.shard_start
+        seg.values.grad = master.grad_shard[start + seg.lo : start + seg.hi]
+        seg.state = {**seg.scalars, **{k: v.to(device) for k, v in seg.state.items()}}
+        groups[seg.group].append(seg.values)
+    saved = [group["params"] for group in optimizer.param_groups]
+    try:
+        for group, params in zip(optimizer.param_groups, groups):
+            group["params"] = params
+        for seg in chunk:
+            optimizer.state[seg.values] = seg.state
+        optimizer.step()
+    finally:
+        for group, params in zip(optimizer.param_groups, saved):
+            group["params"] = params
+        for seg in chunk:
+            assert seg.values is not None
+            seg.state = optimizer.state.pop(seg.values, {})
+            seg.values.grad = None
+    for seg in chunk:
+        master, piece = seg.master, seg.master.flat.pieces[seg.position]
+        keys = tier.state_keys(seg.slot)
+        assert seg.state is not None
+        assert seg.values is not None
+        unknown = [
+            k for k, v in seg.state.items()
+            if isinstance(v, torch.Tensor) and v.dim() > 0 and k not in keys
+        ]
+        if unknown:
+            raise RuntimeError(
+                f"{type(optimizer).__qualname__} made per-element state {unknown} that the "
+                f"offload layout does not hold (it holds {keys}): use offload=None"
+            )
+        optimizer.state[master.pieces[seg.position]] = {
+            k: v for k, v in seg.state.items() if k not in keys
+        }
+        tier.initialized[seg.slot] = True
+        if tier.has_master(seg.slot):  # cast down into the parameter shard, as write_back
+            start = piece.shard_start
+            master.flat.shard[start + seg.lo : start + seg.hi].copy_(seg.values)
+
+
+def _store(tier: OffloadTier, chunk: list[_Segment]) -> None:
+    """Writer thread: the stepped masters (when offloaded) and per-element state."""
+    for seg in chunk:
+        assert seg.values is not None and seg.state is not None
+        if tier.has_master(seg.slot):
+            tier.write(seg.slot, MASTER, seg.lo, seg.values)
+        for key in tier.state_keys(seg.slot):
+            if key in seg.state:
+                tier.write(seg.slot, key, seg.lo, seg.state[key])
