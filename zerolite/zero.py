@@ -44,6 +44,7 @@ from zerolite.optim.master import MasterShard
 from zerolite.optim.repoint import repoint_optimizer
 from zerolite.optim.sharded_optimizer import ShardedOptimizer
 from zerolite.plan import ShardPlan, plan_layout
+from zerolite.quantize_setup import describe_quantization, install_quantization
 from zerolite.shard_state import ShardState, pieces_of, register
 from zerolite.stages import STAGES
 from zerolite.unit_scheduler import UnitScheduler
@@ -102,6 +103,7 @@ def shard(
     with agreed("zerolite.shard()", group) as lines:
         plan = plan_layout(model, optimizer, config)
         lines += plan.describe(config, optimizer, model)
+        lines += describe_quantization(config, model)
     digest = hashlib.sha256("\n".join(lines).encode()).hexdigest()
     with phase_events.phase("build"):
         sharded = _build(model, optimizer, config, group, cast(ShardPlan, plan), digest)
@@ -156,7 +158,9 @@ def _build(
             what="shard()'s broadcast of rank 0's unsharded parameters and buffers",
         )
     flats, frozen_flats = all_flats[: len(plan.flat_params)], all_flats[len(plan.flat_params) :]
-    masters = [MasterShard(flat) for flat in flats]
+    # A quantized all-gather overwrites a replicated buffer's own shard: masters are copies.
+    copy = config.quantize_gather and group.size > 1
+    masters = [MasterShard(flat, copy=copy and flat.replicated) for flat in flats]
     repoint_optimizer(
         optimizer, pieces_of(masters, optimizer.state), plan.group_of,
         [p for _, p in plan.frozen],
@@ -174,6 +178,7 @@ def _build(
         )
         for flat in flats
     ]
+    install_quantization(model, config, group, all_flats, buckets)
     reducer = GradReducer(buckets, group)
     grads = ShardGradsInBackward(reducer) if policy.shards_gradients else KeepFullGrads(reducer)
     scheduler = None

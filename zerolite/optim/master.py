@@ -25,13 +25,17 @@ class MasterShard:
 
     Args:
         flat: the flat parameter buffer whose shard this rank owns.
+        copy: keep an fp32 copy even when the parameters are fp32 (a quantized all-gather
+            overwrites a replicated buffer's own shard with dequantized values).
     """
 
-    def __init__(self, flat: FlatParamBuffer) -> None:
+    def __init__(self, flat: FlatParamBuffer, *, copy: bool = False) -> None:
         self.flat = flat
         # 1-D, fp32, shard_numel: a view of flat.shard when params are fp32, else a copy.
         self.data: torch.Tensor = (
-            flat.shard if flat.data.dtype == torch.float32 else flat.shard.float()
+            flat.shard
+            if flat.data.dtype == torch.float32 and not copy
+            else flat.shard.to(torch.float32, copy=True)
         )
         # 1-D fp32 views of `data`, one per flat.pieces entry: what the optimizer steps.
         self.pieces: list[torch.Tensor] = [
