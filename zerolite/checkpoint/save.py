@@ -68,6 +68,7 @@ from zerolite.checkpoint.format import (
 )
 from zerolite.checkpoint.groups import piece_groups
 from zerolite.checkpoint.json_codec import encode
+from zerolite.checkpoint.residuals import residual_tensors
 from zerolite.checkpoint.schedulers import scheduler_entries
 from zerolite.collectives import Group, all_gather_bytes
 from zerolite.consensus import agreed
@@ -95,6 +96,7 @@ def rank_tensors(
         for key, value in piece.state.items():
             if isinstance(value, torch.Tensor):
                 tensors[state_key(key, name, start, end)] = value.detach()
+    tensors.update(residual_tensors(opt))
     tensors["rng/cpu"] = torch.get_rng_state()
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         tensors["rng/cuda"] = torch.cuda.get_rng_state()

@@ -34,6 +34,7 @@ from zerolite.memory.footprint import MemoryBreakdown, formula
 from zerolite.optim.registry import NAMED, build_named, name_of, spec_of
 from zerolite.optim.sharded_optimizer import require_sharded_optimizer
 from zerolite.plan import plan_layout
+from zerolite.quantize_setup import residual_numel
 from zerolite.stages import STAGES
 
 __all__ = ["estimate", "state_bytes"]
@@ -104,14 +105,18 @@ def _breakdown(
         units += [f.padded_numel for f in frozen]
         transient += ((config.prefetch + 1) * max(units, default=0) + root) * p
     frozen_shards = sum(f.shard_numel for f in frozen) * p
+    world = buffers[0].layout.world_size
+    # A quantized gather overwrites a replicated buffer's own shard: the master is a copy.
+    copied = config.quantize_gather and world > 1 and not policy.shards_parameters
     return MemoryBreakdown(
         params=held(policy.shards_parameters) * p + frozen_shards + other,
         grads=held(policy.shards_gradients) * kept_g + other_grads,
         master=0
-        if config.param_dtype == torch.float32
+        if config.param_dtype == torch.float32 and not copied
         else 4 * held(policy.shards_optimizer_state),
         optimizer_state=state,
         transient=transient,
+        residual=4 * sum(residual_numel(b.layout.shard_numel, world, config) for b in buffers),
     )
 
 
@@ -146,7 +151,9 @@ def estimate(
     if not isinstance(model_or_count, nn.Module):
         return formula(_count(model_or_count), world_size=world_size, stage=config.stage,
                        param_dtype=config.param_dtype, reduce_dtype=config.reduce_dtype,
-                       optimizer=_formula_name(optimizer))
+                       optimizer=_formula_name(optimizer),
+                       quantize_gather=config.quantize_gather,
+                       error_feedback=config.quantize_reduce and config.error_feedback)
     if config.stage == 0:
         raise ValueError("stage=0 (DDP) is estimated from a count: estimate(num_params, ...)")
     model = model_or_count
