@@ -105,7 +105,7 @@ def quantized_reduce_scatter_avg(
         if residual is None:
             codec.encode(chunk, messages[dst])
             continue
-        contribution = chunk.float().add_(residual[k - 1])
+        contribution = torch.add(residual[k - 1], chunk)  # fp32, a new tensor
         codec.encode(contribution, messages[dst])
         # What the receiver will see, subtracted: the loss carried to the next exchange.
         lost = residual[k - 1]
