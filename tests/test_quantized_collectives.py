@@ -12,7 +12,7 @@
   measured memory equals the estimate (residual and master copy included); a NaN
   gradient makes the global gradient norm NaN.
 - Bytes on the wire per step for the benchmark GPT: <= 0.27x of fp32 and <= 0.53x of
-  bf16 unquantized (stage 2; stage 3 is marked slow).
+  bf16 unquantized (stage 2).
 - A checkpoint resume with error-feedback residuals continues bit for bit; dropping the
   residuals at the load changes the run (so the test can fail).
 """
@@ -232,9 +232,10 @@ def _wire_rank(stage: int) -> dict:
     return sent
 
 
-@pytest.mark.parametrize("stage", [2, pytest.param(3, marks=pytest.mark.slow)])
-def test_bytes_on_the_wire_per_step(stage: int) -> None:
-    sent = run_ranks(_wire_rank, 2, stage, timeout=2 * TIMEOUT)[0]
+def test_bytes_on_the_wire_per_step() -> None:
+    # Stage 2 (stage 3 adds the per-unit gathers, quantized the same way; ~25 s more here:
+    # its ratios are in benchmarks/quantized_accuracy.py's output and the README).
+    sent = run_ranks(_wire_rank, 2, 2, timeout=2 * TIMEOUT)[0]
     fp32 = sent[(str(torch.float32), True)] / sent[(str(torch.float32), False)]
     bf16 = sent[(str(torch.bfloat16), True)] / sent[(str(torch.bfloat16), False)]
     assert fp32 <= 0.27 and bf16 <= 0.53, (fp32, bf16, sent)
