@@ -22,6 +22,7 @@ which quantizing pays for its own cost (the saved bytes divided by the extra tim
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import time
@@ -109,27 +110,33 @@ def _wire_rank(stage: int, dtype: torch.dtype, quantize: bool, timed: int) -> di
     return {"bytes": sum(spy.bytes.values()), "step_s": statistics.median(times)}
 
 
-def accuracy(stages: list[int], steps: int) -> dict:
-    runs = {}
-    for stage in stages:
-        for setting in SETTINGS:
-            runs[(stage, setting)] = run_ranks(_train_rank, 2, stage, setting, steps,
-                                               timeout=3600)[0]
-            print(f"  trained stage {stage}, {setting}", flush=True)
-    print(f"\nexamples/train_gpt.py's GPT, {steps} steps, 2 ranks, bf16; mean loss over the "
-          f"last {LAST} steps")
+def accuracy(stages: list[int], steps: int, save: Path | None) -> dict:
+    """Train every (stage, setting), essential runs first; print each as it lands; keep
+    the loss curves in ``save`` (JSON) after each run, so a cut-off run keeps its results."""
+    runs: dict = json.loads(save.read_text()) if save is not None and save.exists() else {}
+    order = [(stage, s) for s in ("none", "both", "gather", "reduce") for stage in stages]
+    order += [(stage, s) for s in SETTINGS for stage in stages if (stage, s) not in order]
+    print(f"examples/train_gpt.py's GPT, {steps} steps, 2 ranks, bf16; mean loss over the "
+          f"last {LAST} steps", flush=True)
     print(f"{'stage':>5s} {'quantized':14s} {'mean loss':>9s} {'vs none':>8s} {'step ms':>8s} "
-          f"{'x none':>7s}")
-    for stage in stages:
-        base = runs[(stage, "none")]
-        ref = statistics.mean(base["losses"][-LAST:])
-        for setting in SETTINGS:
-            run = runs[(stage, setting)]
-            mean = statistics.mean(run["losses"][-LAST:])
-            print(f"{stage:5d} {setting:14s} {mean:9.4f} {100 * (mean - ref) / ref:+7.2f}% "
-                  f"{1e3 * run['step_s']:8.1f} {run['step_s'] / base['step_s']:7.2f}")
+          f"{'x none':>7s}", flush=True)
+    for stage, setting in order:
+        key = f"{stage}/{setting}"
+        if key not in runs:
+            runs[key] = run_ranks(_train_rank, 2, stage, setting, steps, timeout=7200)[0]
+            if save is not None:
+                save.write_text(json.dumps(runs))
+        _report(runs, stage, setting)
     _plot(runs, stages)
     return runs
+
+
+def _report(runs: dict, stage: int, setting: str) -> None:
+    run, base = runs[f"{stage}/{setting}"], runs.get(f"{stage}/none")
+    mean = statistics.mean(run["losses"][-LAST:])
+    ref = statistics.mean(base["losses"][-LAST:]) if base else mean
+    print(f"{stage:5d} {setting:14s} {mean:9.4f} {100 * (mean - ref) / ref:+7.2f}% "
+          f"{1e3 * run['step_s']:8.1f} {run['step_s'] / base['step_s']:7.2f}", flush=True)
 
 
 def _plot(runs: dict, stages: list[int]) -> None:
@@ -144,7 +151,9 @@ def _plot(runs: dict, stages: list[int]) -> None:
     fig, axes = plt.subplots(1, len(stages), figsize=(6 * len(stages), 4), squeeze=False)
     for ax, stage in zip(axes[0], stages):
         for setting in SETTINGS:
-            losses = runs[(stage, setting)]["losses"]
+            if f"{stage}/{setting}" not in runs:
+                continue
+            losses = runs[f"{stage}/{setting}"]["losses"]
             # A 10-step running mean: single steps are noisy.
             smooth = [statistics.mean(losses[max(0, i - 9) : i + 1]) for i in range(len(losses))]
             ax.plot(smooth, label=setting, linewidth=1)
@@ -178,7 +187,7 @@ def wire(stages: list[int], timed: int) -> None:
             ratio = quant["step_s"] / none["step_s"]
             print(f"{stage:5d} {name:5s} {none['bytes'] / 1e6:8.2f} {quant['bytes'] / 1e6:8.2f} "
                   f"{quant['bytes'] / none['bytes']:6.3f} {1e3 * none['step_s']:8.1f} "
-                  f"{1e3 * quant['step_s']:8.1f} {ratio:7.2f} {pays:>11s}")
+                  f"{1e3 * quant['step_s']:8.1f} {ratio:7.2f} {pays:>11s}", flush=True)
 
 
 def main() -> None:
@@ -189,11 +198,15 @@ def main() -> None:
     parser.add_argument("--stages", default="2,3")
     parser.add_argument("--parts", default="accuracy,wire")
     parser.add_argument("--timed", type=int, default=8, help="timed steps per wire run")
+    parser.add_argument(
+        "--save", type=Path, default=None,
+        help="JSON of the accuracy runs: read (runs in it are not repeated), then written",
+    )
     args = parser.parse_args()
     stages = [int(s) for s in args.stages.split(",")]
     parts = args.parts.split(",")
     if "accuracy" in parts:
-        accuracy(stages, args.steps)
+        accuracy(stages, args.steps, args.save)
     if "wire" in parts:
         wire(stages, args.timed)
 
