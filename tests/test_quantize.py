@@ -166,3 +166,13 @@ def test_formula_counts_the_residual_and_the_fp32_master_copy() -> None:
     assert fed.model_states == plain.model_states + fed.residual
     assert formula(1000, world_size=4, stage=2, quantize_gather=True).master == 1000
     assert formula(1000, world_size=4, stage=3, quantize_gather=True).master == 0
+
+
+def test_a_chunk_of_raw_elements_only_travels_exactly() -> None:
+    codec = ChunkCodec(10, [(0, 10)], torch.float32, BLOCK)
+    assert codec.blocks == 0 and codec.nbytes == 40
+    chunk, out = torch.randn(10), torch.empty(10)
+    message = torch.empty(codec.nbytes, dtype=torch.uint8)
+    codec.encode(chunk, message)
+    codec.decode(message, out)
+    assert torch.equal(out, chunk)
