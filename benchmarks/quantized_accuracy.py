@@ -16,7 +16,11 @@ step_time.py's pass-through spy) and the median step time, quantized (both switc
 unquantized, fp32 and bf16, stages 2 and 3; and, from those, the link bandwidth below
 which quantizing pays for its own cost (the saved bytes divided by the extra time).
 
-    python benchmarks/quantized_accuracy.py [--steps 300] [--stages 2,3] [--parts accuracy,wire]
+Codec: the quantizer's own cost on one thread, without communication, and the link speed
+below which it pays (less noisy than step times on a shared machine).
+
+    python benchmarks/quantized_accuracy.py [--steps 300] [--stages 2,3]
+        [--parts accuracy,wire,codec]
 """
 
 from __future__ import annotations
@@ -190,13 +194,48 @@ def wire(stages: list[int], timed: int) -> None:
                   f"{1e3 * quant['step_s']:8.1f} {ratio:7.2f} {pays:>11s}", flush=True)
 
 
+def codec() -> None:
+    """The quantizer's own cost, one thread, no communication: encode + decode of a buffer
+    the size of step_time.py's GPT, and the link speed below which the bytes it saves take
+    longer to send than it takes to compute (2 ranks: each rank sends and receives half of
+    each exchange; one reduce-scatter and one all-gather per step)."""
+    from zerolite.layout import FlatLayout
+    from zerolite.quantize import WireFormat
+
+    torch.set_num_threads(1)
+    numel = sum(p.numel() for p in GPT(BENCH).parameters())
+    layout = FlatLayout((numel,), 2)
+    print(f"\nquantizer cost, 1 thread, {numel / 1e6:.1f}M elements (one exchange each way)")
+    print(f"{'dtype':5s} {'encode+decode ms':>16s} {'MB saved':>9s} {'pays below':>11s}")
+    for dtype in (torch.float32, torch.bfloat16):
+        wire = WireFormat(layout, set(), dtype, 256)
+        full = torch.randn(layout.padded_numel).to(dtype)
+        messages = wire.messages(full.device)
+        out = torch.empty(layout.shard_numel, dtype=dtype)
+        shard = layout.shard_numel
+        times = []
+        for _ in range(5):
+            start = time.perf_counter()
+            # One step at 2 ranks: the reduce-scatter encodes and decodes one chunk, so does
+            # the all-gather.
+            for _exchange in range(2):
+                wire.chunks[1].encode(full[shard:], messages[1])
+                wire.chunks[1].decode(messages[1], out)
+            times.append(time.perf_counter() - start)
+        seconds = statistics.median(times)
+        saved = 2 * shard * (full.element_size() - wire.message_bytes / shard)
+        name = "fp32" if dtype == torch.float32 else "bf16"
+        print(f"{name:5s} {1e3 * seconds:16.1f} {saved / 1e6:9.2f} "
+              f"{saved / seconds / 1e9:7.2f} GB/s", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--stages", default="2,3")
-    parser.add_argument("--parts", default="accuracy,wire")
+    parser.add_argument("--parts", default="accuracy,wire,codec")
     parser.add_argument("--timed", type=int, default=8, help="timed steps per wire run")
     parser.add_argument(
         "--save", type=Path, default=None,
@@ -209,6 +248,8 @@ def main() -> None:
         accuracy(stages, args.steps, args.save)
     if "wire" in parts:
         wire(stages, args.timed)
+    if "codec" in parts:
+        codec()
 
 
 if __name__ == "__main__":
