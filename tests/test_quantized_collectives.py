@@ -276,6 +276,11 @@ def _resume_rank(root: str, drop_residuals: bool) -> dict:
     parity.train(model, opt, data[:3], sliced=True)
     saved = [b.residual.clone() for b in opt.buckets]
     ckpt.save(f"{root}/step3", model, opt)
+    # The in-memory per-rank state dict carries them too.
+    state = opt.state_dict()
+    model_sd, opt_sd = build()
+    opt_sd.load_state_dict(state)
+    in_state_dict = all(torch.equal(a, b.residual) for a, b in zip(saved, opt_sd.buckets))
     model, opt = build()
     ckpt.load(f"{root}/step3", model, opt)
     restored = all(torch.equal(a, b.residual) for a, b in zip(saved, opt.buckets))
@@ -292,7 +297,7 @@ def _resume_rank(root: str, drop_residuals: bool) -> dict:
         ckpt.load(f"{root}/step3", model2, opt2)
     return {
         "restarted": all(not b.residual.any() for b in opt2.buckets) and bool(seen),
-        "restored": restored,
+        "restored": restored and in_state_dict,
         "nonzero": any(bool(s.any()) for s in saved),
         "losses_equal": resumed == straight[3:],
         "masters_equal": torch.equal(torch.cat([m.data for m in opt.masters]), end),
