@@ -4,8 +4,9 @@ Accuracy: examples/train_gpt.py's training (its GPT: 4 layers, d_model 128, voca
 seq 128; its data: the standard library's source as bytes; AdamW(lr 2e-3, betas
 (0.9, 0.95), weight decay 0.1), 20-step warm-up, clipping at 1.0, micro-batch 8 per rank)
 on 2 gloo ranks, bf16 parameters, run with zerolite.shard directly (the same arithmetic as
-its Accelerate loop). Per stage (2, 3) and setting (none, gather, reduce, both, and
-reduce / both without error feedback) it prints the mean loss over the last 50 steps
+its Accelerate loop). Per stage (2, 3) and setting (none, gather, reduce, both,
+reduce / both without error feedback, and reduce with coarse 4096-element blocks with and
+without error feedback) it prints the mean loss over the last 50 steps
 and its relative difference to the unquantized run, and draws the loss curves into
 benchmarks/quantized_accuracy.png (only where matplotlib is installed: it is not a
 zerolite dependency).
@@ -54,6 +55,10 @@ SETTINGS = {
     "both": {"quantize_gather": True, "quantize_reduce": True},
     "reduce, no EF": {"quantize_reduce": True, "error_feedback": False},
     "both, no EF": {"quantize_gather": True, "quantize_reduce": True, "error_feedback": False},
+    # Coarse blocks (larger quantization errors) make error feedback's effect larger.
+    "reduce, B=4096": {"quantize_reduce": True, "quant_block": 4096},
+    "reduce, B=4096, no EF": {"quantize_reduce": True, "quant_block": 4096,
+                              "error_feedback": False},
 }
 LAST = 50
 PNG = ROOT / "benchmarks" / "quantized_accuracy.png"
@@ -122,7 +127,7 @@ def accuracy(stages: list[int], steps: int, save: Path | None) -> dict:
     order += [(stage, s) for s in SETTINGS for stage in stages if (stage, s) not in order]
     print(f"examples/train_gpt.py's GPT, {steps} steps, 2 ranks, bf16; mean loss over the "
           f"last {LAST} steps", flush=True)
-    print(f"{'stage':>5s} {'quantized':14s} {'mean loss':>9s} {'vs none':>8s} {'step ms':>8s} "
+    print(f"{'stage':>5s} {'quantized':21s} {'mean loss':>9s} {'vs none':>8s} {'step ms':>8s} "
           f"{'x none':>7s}", flush=True)
     for stage, setting in order:
         key = f"{stage}/{setting}"
@@ -139,7 +144,7 @@ def _report(runs: dict, stage: int, setting: str) -> None:
     run, base = runs[f"{stage}/{setting}"], runs.get(f"{stage}/none")
     mean = statistics.mean(run["losses"][-LAST:])
     ref = statistics.mean(base["losses"][-LAST:]) if base else mean
-    print(f"{stage:5d} {setting:14s} {mean:9.4f} {100 * (mean - ref) / ref:+7.2f}% "
+    print(f"{stage:5d} {setting:21s} {mean:9.4f} {100 * (mean - ref) / ref:+7.2f}% "
           f"{1e3 * run['step_s']:8.1f} {run['step_s'] / base['step_s']:7.2f}", flush=True)
 
 
