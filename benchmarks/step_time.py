@@ -79,10 +79,13 @@ def _sent(name: str, numel: int, n: int) -> float:
 
 
 class CommSpy:
-    """Pass-through wrappers on torch.distributed functions counting elements per call kind."""
+    """Pass-through wrappers on torch.distributed functions counting elements, and bytes on
+    the wire (elements times their size: int8 blocks of a quantized exchange count one byte
+    each), per call kind."""
 
     def __init__(self) -> None:
         self.elements: dict[str, float] = defaultdict(float)
+        self.bytes: dict[str, float] = defaultdict(float)
         self._saved: dict[str, object] = {}
 
     def __enter__(self) -> CommSpy:
@@ -93,7 +96,9 @@ class CommSpy:
             def spy(*args, _original=original, _name=name, **kwargs):
                 tensor = args[0] if args else next(iter(kwargs.values()))
                 if isinstance(tensor, torch.Tensor):
-                    self.elements[_name] += _sent(_name, tensor.numel(), dist.get_world_size())
+                    sent = _sent(_name, tensor.numel(), dist.get_world_size())
+                    self.elements[_name] += sent
+                    self.bytes[_name] += sent * tensor.element_size()
                 return _original(*args, **kwargs)
 
             setattr(dist, name, spy)
@@ -241,7 +246,8 @@ def _timed(model, module, opt, autocast, measure, system, device) -> dict:
             module, opt, autocast, *batches[-1], after_step=lambda: measured.append(measure())
         )
     mem = measured[0]
-    return {"times": times, "cpu": cpu, "elements": dict(spy.elements), "memory": mem,
+    return {"times": times, "cpu": cpu, "elements": dict(spy.elements),
+            "bytes": dict(spy.bytes), "memory": mem,
             "numel": sum(p.numel() for p in model.parameters())}
 
 
@@ -286,7 +292,7 @@ def main() -> None:
           f"{args.rounds} rounds x {TIMED} timed steps")
     header = (
         f"{'system':8s} {'dtype':5s} {'median ms':>9s} {'x base':>6s} {'spread':>13s} "
-        f"{'tok/s':>7s} {'states MB':>9s} {'/formula':>8s} {'trans MB':>8s}  "
+        f"{'tok/s':>7s} {'states MB':>9s} {'/formula':>8s} {'trans MB':>8s} {'wire MB':>7s}  "
         "elements per step by call"
     )
     print(header)
@@ -306,7 +312,8 @@ def main() -> None:
             print(
                 f"{system:8s} {dtype:5s} {med * 1e3:9.1f} {statistics.mean(rs):6.3f} "
                 f"{min(rs):6.3f}-{max(rs):6.3f} {tokens / med:7.0f} {mem.model_states / 1e6:9.1f} "
-                f"{mem.model_states / ref.model_states:8.3f} {mem.transient / 1e6:8.1f}  {elements}"
+                f"{mem.model_states / ref.model_states:8.3f} {mem.transient / 1e6:8.1f} "
+                f"{sum(runs[-1]['bytes'].values()) / 1e6:7.1f}  {elements}"
             )
     _offload_table(systems, args.dtypes.split(","), results)
 

@@ -40,7 +40,9 @@ def _origin(frame) -> str:
 class CommSpy:
     """Wraps ``torch.distributed`` functions with recorders that call straight through.
 
-    Each event is ``(name, elements, caller, phase)``. ``caller`` says which collective a
+    Each event is ``(name, elements, caller, phase, nbytes)``: ``nbytes`` is what the call
+    carries on the wire (elements times their size; a quantized exchange's uint8 message
+    counts its bytes). ``caller`` says which collective a
     call belongs to: on gloo zerolite builds reduce-scatter and all-gather from
     ``isend``/``irecv``, so for those the stack is searched for the nearest function whose
     name contains ``reduce_scatter`` or ``all_gather`` (``"reduce_scatter"`` /
@@ -53,7 +55,7 @@ class CommSpy:
     """
 
     def __init__(self) -> None:
-        self.events: list[tuple[str, int, str, object]] = []
+        self.events: list[tuple[str, int, str, object, int]] = []
         self.phase: object = None
         self._saved: dict[str, object] = {}
 
@@ -75,7 +77,8 @@ class CommSpy:
             caller = _origin(sys._getframe(1))
             t = args[0] if args else kwargs.get("tensor")
             numel = t.numel() if isinstance(t, torch.Tensor) else 0
-            self.events.append((name, numel, caller, self.phase))
+            nbytes = numel * t.element_size() if isinstance(t, torch.Tensor) else 0
+            self.events.append((name, numel, caller, self.phase, nbytes))
             return fn(*args, **kwargs)
 
         return spy
@@ -92,4 +95,8 @@ class CommSpy:
 
     def elements(self, **kw) -> int:
         return sum(e[1] for e in self.select(**kw))
+
+    def nbytes(self, **kw) -> int:
+        """Bytes the selected calls carry (their first tensor's)."""
+        return sum(e[4] for e in self.select(**kw))
 

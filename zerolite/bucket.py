@@ -24,6 +24,8 @@ import torch
 from zerolite.collectives import Group, Pending, reduce_scatter_avg
 from zerolite.flat_buffer import FlatParamBuffer
 from zerolite.owned_collectives import reduce_to_owners
+from zerolite.quantize import WireFormat
+from zerolite.quantized_collectives import quantized_reduce_scatter_avg
 
 __all__ = ["GradBucket"]
 
@@ -81,6 +83,10 @@ class GradBucket:
         self._arrived_count = 0
         self._result: torch.Tensor | None = None
         self._sent: torch.Tensor | None = None
+        # ZeroConfig.quantize_reduce: how reduce-scatters travel (None: unquantized), and
+        # the error-feedback residual, (N - 1, shard_numel) fp32 (see quantized_collectives).
+        self.wire: WireFormat | None = None
+        self.residual: torch.Tensor | None = None
 
     def full_buffer(self) -> torch.Tensor:
         """``full``, allocated on first use (padding zeroed; parameter regions are written by
@@ -152,15 +158,16 @@ class GradBucket:
         # Reduce straight into the shard when it holds nothing yet.
         out = self.shard if self.shard_is_zero else torch.empty_like(self.shard)
         what = f"the reduce-scatter of gradient bucket {self.flat.index}"
+        key = 2 * self.flat.index
         sizes = self.flat.layout.chunk_sizes  # whole-tensor ownership: uneven chunks
-        if sizes is None:
-            self._pending = reduce_scatter_avg(
-                send, out, self.group, key=2 * self.flat.index, what=what
+        if sizes is not None:
+            self._pending = reduce_to_owners(send, out, sizes, self.group, key=key, what=what)
+        elif self.wire is not None:
+            self._pending = quantized_reduce_scatter_avg(
+                send, out, self.wire, self.residual, self.group, key=key, what=what
             )
         else:
-            self._pending = reduce_to_owners(
-                send, out, sizes, self.group, key=2 * self.flat.index, what=what
-            )
+            self._pending = reduce_scatter_avg(send, out, self.group, key=key, what=what)
         self._result, self._sent = out, send
         self._reset_arrivals()
         self.unreduced = False

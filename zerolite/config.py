@@ -107,7 +107,31 @@ _ENV_FIELDS: dict[str, tuple[str, Callable[[str], Any], Any]] = {
         lambda s: _parse_number("offload_fraction", s, float),
         1.0,
     ),
+    "quantize_gather": (
+        "ZEROLITE_QUANTIZE_GATHER",
+        lambda s: _parse_bool("quantize_gather", s),
+        False,
+    ),
+    "quantize_reduce": (
+        "ZEROLITE_QUANTIZE_REDUCE",
+        lambda s: _parse_bool("quantize_reduce", s),
+        False,
+    ),
+    "quant_block": ("ZEROLITE_QUANT_BLOCK", lambda s: _parse_number("quant_block", s, int), 256),
+    "quantize_skip": (
+        "ZEROLITE_QUANTIZE_SKIP",
+        lambda s: tuple(name.strip() for name in s.split(",") if name.strip()),
+        (),
+    ),
+    "error_feedback": (
+        "ZEROLITE_ERROR_FEEDBACK",
+        lambda s: _parse_bool("error_feedback", s),
+        True,
+    ),
 }
+
+# quant_block bounds: a block's fp32 scale costs 4/quant_block bytes per element.
+QUANT_BLOCK_RANGE = (16, 1 << 20)
 
 COLLECTIVES = ("auto", "native", "point_to_point")
 PARTITIONS = ("flat", "tensor", "auto")
@@ -183,6 +207,23 @@ class ZeroConfig:
             ``"auto"`` (default): ``"flat"`` when every optimizer is elementwise (exactly
             what zerolite did before this option), ``"tensor"`` otherwise. Stages 1-2.
             Env: ``ZEROLITE_PARTITION``.
+        quantize_gather: every parameter all-gather (stage 3's unit gathers, stages 1-2's
+            post-step publish) sends int8 blocks of ``quant_block`` elements with one fp32
+            scale each; every rank, the owner included, computes with the same dequantized
+            values, and the fp32 masters stay exact (`zerolite.quantize`). Refused with
+            fp16 parameters. Env: ``ZEROLITE_QUANTIZE_GATHER``.
+        quantize_reduce: every gradient reduce-scatter sends each rank's contribution as
+            int8 blocks; receivers dequantize and sum in fp32 in rank order. Refused with
+            fp16 gradients (loss-scaled residuals). Env: ``ZEROLITE_QUANTIZE_REDUCE``.
+        quant_block: elements per quantization block (16 to 2**20). Env:
+            ``ZEROLITE_QUANT_BLOCK``.
+        quantize_skip: names of parameters (as ``model.named_parameters()`` spells them)
+            that always travel unquantized; parameters of fewer than ``quant_block``
+            elements do too. Env: ``ZEROLITE_QUANTIZE_SKIP`` (comma-separated).
+        error_feedback: with ``quantize_reduce``, keep each rank's quantization error
+            (fp32, (N-1)/N of the gradient buffers per rank) and add it to the next
+            exchange's contribution; ``False`` saves that memory at an accuracy cost
+            (README, "Quantized collectives"). Env: ``ZEROLITE_ERROR_FEEDBACK``.
 
     Raises:
         ValueError: a field (or its environment variable) holds an invalid value; the
@@ -208,6 +249,11 @@ class ZeroConfig:
     offload_fraction: float = _UNSET
     init_fn: Callable[[torch.nn.Module], None] | None = None
     partition: str = _UNSET
+    quantize_gather: bool = _UNSET
+    quantize_reduce: bool = _UNSET
+    quant_block: int = _UNSET
+    quantize_skip: tuple[str, ...] = _UNSET
+    error_feedback: bool = _UNSET
     # Fields with environment variables that took their default (no argument, no variable):
     # integrations may fill those from their own settings (Accelerate's mixed_precision).
     _defaulted: frozenset[str] = dataclasses.field(
@@ -338,6 +384,44 @@ class ZeroConfig:
                 f"ZeroConfig.elementwise_optimizers: got {eo!r}; allowed: a tuple of "
                 "torch.optim.Optimizer subclasses"
             )
+        self._validate_quantization()
+
+    def _validate_quantization(self) -> None:
+        for name in ("quantize_gather", "quantize_reduce", "error_feedback"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(
+                    f"ZeroConfig.{name}: got {getattr(self, name)!r}; allowed: True or False"
+                )
+        low, high = QUANT_BLOCK_RANGE
+        block = self.quant_block
+        if isinstance(block, bool) or not isinstance(block, int) or not low <= block <= high:
+            raise ValueError(
+                f"ZeroConfig.quant_block: got {block!r}; allowed: an int from {low} to {high}"
+            )
+        skip = self.quantize_skip
+        if isinstance(skip, str) or not isinstance(skip, (tuple, list)) or not all(
+            isinstance(n, str) and n for n in skip
+        ):
+            raise ValueError(
+                f"ZeroConfig.quantize_skip: got {skip!r}; allowed: a tuple of parameter names"
+            )
+        object.__setattr__(self, "quantize_skip", tuple(skip))
+        if self.quantize_gather and self.param_dtype == torch.float16:
+            raise ValueError(
+                "ZeroConfig.quantize_gather: not supported with param_dtype=torch.float16 (an "
+                "int8 block's scale can exceed fp16's range); use torch.bfloat16 or float32"
+            )
+        if self.quantize_reduce and torch.float16 in (self.param_dtype, self.grad_dtype):
+            raise ValueError(
+                "ZeroConfig.quantize_reduce: not supported with float16 parameters or gradients "
+                "(loss scaling would leave a stale scale in the error-feedback residual); use "
+                "param_dtype=torch.bfloat16 or torch.float32 and no float16 reduce_dtype"
+            )
+
+    @property
+    def quantizes(self) -> bool:
+        """Whether any collective is quantized (``quantize_gather`` or ``quantize_reduce``)."""
+        return self.quantize_gather or self.quantize_reduce
 
     def _validate_offload(self) -> None:
         if self.offload not in OFFLOAD_TIERS:

@@ -20,6 +20,8 @@ from torch import nn
 from zerolite.collectives import Group, Pending, all_gather_inplace
 from zerolite.layout import FlatLayout, ParamPiece
 from zerolite.owned_collectives import gather_from_owners
+from zerolite.quantize import WireFormat
+from zerolite.quantized_collectives import quantized_all_gather
 
 __all__ = ["FlatParamBuffer"]
 
@@ -65,6 +67,8 @@ class FlatParamBuffer:
         # True while every rank holds the full buffer between steps (stages 1-2).
         self.replicated = True
         self._full_bytes = self.data.untyped_storage().nbytes()
+        # ZeroConfig.quantize_gather: how all-gathers travel (None: unquantized).
+        self.gather_wire: WireFormat | None = None
 
     def bind(self) -> None:
         """Copy each parameter's values into the buffer and make ``param.data`` a view of it."""
@@ -120,13 +124,17 @@ class FlatParamBuffer:
         return self.all_gather(group, what)
 
     def all_gather(self, group: Group, what: str = "") -> Pending:
-        """Launch the in-place all-gather of ``data`` from every rank's chunk."""
+        """Launch the in-place all-gather of ``data`` from every rank's chunk (quantized with
+        a `gather_wire`: then this rank's own chunk is overwritten with its dequantized values
+        too)."""
         what = what or f"the all-gather of flat buffer {self.index}"
+        key = 2 * self.index + 1  # even: reduce-scatters
         sizes = self.layout.chunk_sizes
-        # even: reduce-scatters
         if sizes is not None:  # whole-tensor ownership: from each owner
-            return gather_from_owners(self.data, sizes, group, key=2 * self.index + 1, what=what)
-        return all_gather_inplace(self.data, group, key=2 * self.index + 1, what=what)
+            return gather_from_owners(self.data, sizes, group, key=key, what=what)
+        if self.gather_wire is not None:
+            return quantized_all_gather(self.data, self.gather_wire, group, key=key, what=what)
+        return all_gather_inplace(self.data, group, key=key, what=what)
 
     def reshard(self) -> None:
         """Free the full buffer (stage 3; see [Note: freed parameters]); no-op when replicated."""

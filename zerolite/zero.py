@@ -47,6 +47,7 @@ from zerolite.optim.offload import OffloadLayout, build_tier, plan_offload
 from zerolite.optim.repoint import repoint_optimizer
 from zerolite.optim.sharded_optimizer import ShardedOptimizer
 from zerolite.plan import ShardPlan, plan_layout
+from zerolite.quantize_setup import describe_quantization, install_quantization
 from zerolite.shard_state import ShardState, pieces_of, register
 from zerolite.stages import STAGES
 from zerolite.tensor_layout import assign_owners
@@ -111,6 +112,7 @@ def shard(
             optimizer = MultiOptimizer(optimizer)
         plan = plan_layout(model, optimizer, config)
         lines += plan.describe(config, optimizer, model)
+        lines += describe_quantization(config, model, plan.partition)
         offload = plan_offload(plan, optimizer, config, group)
     digest = hashlib.sha256("\n".join(lines).encode()).hexdigest()
     with phase_events.phase("build"):
@@ -174,8 +176,12 @@ def _build(
             what="shard()'s broadcast of rank 0's unsharded parameters and buffers",
         )
     flats, frozen_flats = all_flats[: len(plan.flat_params)], all_flats[len(plan.flat_params) :]
+    # A quantized all-gather overwrites a replicated buffer's own shard: masters are copies.
+    copy = config.quantize_gather and group.size > 1
     masters = [
-        MasterShard(flat, 0 if offload is None else offload.per_buffer[i])
+        MasterShard(
+            flat, 0 if offload is None else offload.per_buffer[i], copy=copy and flat.replicated
+        )
         for i, flat in enumerate(flats)
     ]
     if isinstance(optimizer, MultiOptimizer):
@@ -198,6 +204,7 @@ def _build(
         )
         for flat in flats
     ]
+    install_quantization(model, config, group, all_flats, buckets)
     reducer = GradReducer(buckets, group)
     grads = ShardGradsInBackward(reducer) if policy.shards_gradients else KeepFullGrads(reducer)
     scheduler = None

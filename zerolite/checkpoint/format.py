@@ -18,8 +18,10 @@ Requirements it meets:
   parameters and parameters outside the optimizer. Every file holds ``rng/cpu`` (and
   ``rng/cuda``) of its rank. Stage 3 shards frozen parameters too: each rank writes its
   ranges as ``frozen/{name}/{start}-{end}`` (in the parameter dtype) instead of rank 0
-  writing them whole. The index holds hyperparameters, the loss scaler,
-  scheduler states, the step and the user's ``extra``.
+  writing them whole. With ``ZeroConfig.quantize_reduce``'s error feedback each file
+  also holds its rank's residuals, ``residual/{name}/{start}-{end}`` (restored at the same
+  world size and layout only, see `zerolite.checkpoint.residuals`). The index holds
+  hyperparameters, the loss scaler, scheduler states, the step and the user's ``extra``.
 - **Verified.** The index records every file's byte size and sha256, and the index's
   own sha256 sits beside it in ``index.json.sha256``, written last and checked first, so
   an edited index is refused before any value in it is used. The sidecar (rather than the

@@ -38,6 +38,7 @@ from zerolite.checkpoint.format import (
 )
 from zerolite.checkpoint.groups import check_groups, piece_groups, saved_groups
 from zerolite.checkpoint.json_codec import decode
+from zerolite.checkpoint.residuals import apply_residuals, read_residuals
 from zerolite.checkpoint.save import model_only_tensors
 from zerolite.checkpoint.schedulers import apply_schedulers, plan_schedulers, restore_schedulers
 from zerolite.collectives import all_gather_bytes
@@ -291,6 +292,7 @@ def _load(
     frozen_pieces: list[tuple[torch.Tensor, torch.Tensor]] = []  # (shard view, values)
     rng: torch.Tensor | None = None
     cuda_rng: torch.Tensor | None = None  # restored only at the same world size
+    residuals: list[tuple[torch.Tensor, torch.Tensor]] = []  # (target, values)
     extra: Any = None
     hyper: list[dict[str, Any]] = []
     loaded_schedulers: list[tuple[Any, Any]] = []
@@ -337,6 +339,7 @@ def _load(
                 rng = f.get_tensor("rng/cpu")
                 if same_world and "rng/cuda" in f.keys():
                     cuda_rng = f.get_tensor("rng/cuda")
+                residuals = read_residuals(f, optimizer, same_world)
             # Last, and undone below if a peer failed: schedulers are the only state a load
             # attempt changes before the ranks agree (a custom one may fail in load_state_dict).
             loaded_schedulers = apply_schedulers(planned_schedulers)
@@ -357,6 +360,7 @@ def _load(
         targets[name].copy_(tensor)
     for shard, values in frozen_pieces:
         shard.copy_(values)
+    apply_residuals(residuals)
     optimizer.publish_masters()
     if rng is not None:
         if index["world_size"] == group.size:

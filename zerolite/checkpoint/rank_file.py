@@ -24,6 +24,7 @@ from zerolite.checkpoint.format import (
     state_key,
 )
 from zerolite.checkpoint.groups import piece_groups
+from zerolite.checkpoint.residuals import residual_tensors
 from zerolite.optim.sharded_optimizer import ShardedOptimizer
 
 __all__ = ["RankFile", "model_only_tensors", "rank_file", "state_dict_names"]
@@ -90,6 +91,7 @@ def rank_file(model: nn.Module, opt: ShardedOptimizer) -> RankFile:
                 tensors[state_key(key, name, start, end)] = (
                     value.detach().reshape(-1) if per_element else value.detach()
                 )
+    tensors.update(residual_tensors(opt))  # quantize_reduce's error feedback
     tensors["rng/cpu"] = torch.get_rng_state()
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         tensors["rng/cuda"] = torch.cuda.get_rng_state()

@@ -10,7 +10,7 @@ from zerolite.optim.sharded_optimizer import ShardedOptimizer, require_sharded_o
 
 __all__ = ["assert_footprint", "FootprintMismatch"]
 
-_MODEL_STATE_FIELDS = ("params", "grads", "master", "optimizer_state")
+_MODEL_STATE_FIELDS = ("params", "grads", "master", "optimizer_state", "residual")
 
 
 class FootprintMismatch(AssertionError):

@@ -45,6 +45,7 @@ from zerolite.optim.offload import (
 from zerolite.optim.registry import NAMED, build_named, name_of, spec_of
 from zerolite.optim.sharded_optimizer import require_sharded_optimizer
 from zerolite.plan import plan_layout
+from zerolite.quantize_setup import residual_numel
 from zerolite.stages import STAGES
 from zerolite.tensor_layout import assign_owners
 
@@ -126,7 +127,14 @@ def _breakdown(
         units += [f.padded_numel for f in frozen]
         transient += ((config.prefetch + 1) * max(units, default=0) + root) * p
     frozen_shards = sum(f.shard_numel for f in frozen) * p
-    master = 0 if config.param_dtype == torch.float32 else 4 * held(policy.shards_optimizer_state)
+    world = buffers[0].layout.world_size
+    # A quantized gather overwrites a replicated buffer's own shard: the master is a copy.
+    copied = config.quantize_gather and world > 1 and not policy.shards_parameters
+    master = (
+        0
+        if config.param_dtype == torch.float32 and not copied
+        else 4 * held(policy.shards_optimizer_state)
+    )
     if offload is not None:
         master -= offload.master_bytes
         state -= offload.state_bytes
@@ -137,6 +145,7 @@ def _breakdown(
         master=master,
         optimizer_state=state,
         transient=transient,
+        residual=4 * sum(residual_numel(b.layout.shard_numel, world, config) for b in buffers),
         ownership_imbalance=layout_imbalance(b.layout for b in buffers),
         offloaded=0 if offload is None else offload.nbytes,
         offload_tier=None if offload is None else offload.tier,
@@ -176,7 +185,9 @@ def estimate(
         return formula(_count(model_or_count), world_size=world_size, stage=config.stage,
                        param_dtype=config.param_dtype, reduce_dtype=config.reduce_dtype,
                        optimizer=_formula_name(optimizer), offload=config.offload,
-                       offload_fraction=config.offload_fraction)
+                       offload_fraction=config.offload_fraction,
+                       quantize_gather=config.quantize_gather,
+                       error_feedback=config.quantize_reduce and config.error_feedback)
     if config.stage == 0:
         raise ValueError("stage=0 (DDP) is estimated from a count: estimate(num_params, ...)")
     model = model_or_count

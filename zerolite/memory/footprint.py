@@ -9,6 +9,10 @@
   is the parameter shard itself and costs nothing extra);
 - ``optimizer_state``: every tensor in the wrapped optimizer's ``state`` (moments, and
   scalar state such as Adam's 0-dim ``step``: 4 bytes per master piece);
+- ``residual``: ``ZeroConfig.quantize_reduce``'s error-feedback residuals, fp32, what this
+  rank's contributions to the other ranks' chunks lost: 4 (N-1)/N bytes per parameter
+  (``quantize_gather`` costs no residual, but in fp32 stages 1-2 it makes the master a
+  copy: 4/N bytes per parameter under ``master``);
 - ``transient``: buffers alive only around communication or the step (stage-2 gradient
   buckets in flight, stage-1 reduced shards during the step, full-size gradients not
   yet moved into a bucket). A measurement reports what is alive at that moment.
@@ -55,6 +59,7 @@ class MemoryBreakdown:
     master: int = 0
     optimizer_state: int = 0
     transient: int = 0
+    residual: int = 0
     ownership_imbalance: float = 1.0  # max/min owned elements over ranks (not bytes)
     offloaded: int = 0
     offload_tier: str | None = None
@@ -62,14 +67,14 @@ class MemoryBreakdown:
     @property
     def model_states(self) -> int:
         """Everything but ``transient``: what ZeRO's formulas count."""
-        return self.params + self.grads + self.master + self.optimizer_state
+        return self.params + self.grads + self.master + self.optimizer_state + self.residual
 
     @property
     def total(self) -> int:
         return self.model_states + self.transient
 
     def __str__(self) -> str:
-        resident = ("params", "grads", "master", "optimizer_state", "transient")
+        resident = ("params", "grads", "master", "optimizer_state", "transient", "residual")
         rows = [(name, getattr(self, name)) for name in resident]
         rows += [("model_states", self.model_states), ("total", self.total)]
         lines = [f"{name:16s} {_human(value):>12s}" for name, value in rows]
@@ -145,6 +150,7 @@ def footprint(opt: ShardedOptimizer) -> MemoryBreakdown:
     other_grads = [p.grad for p in model_params if not _in_flats(p, opt)]
     grads = census.count(persistent + other_grads)
     state = census.count(_state_tensors(opt))
+    residual = census.count(b.residual for b in opt.buckets)
     transient = census.count(
         [b.shard if b.keep_full else b.full for b in opt.buckets]
         + [p.grad for p in model_params]
@@ -154,6 +160,7 @@ def footprint(opt: ShardedOptimizer) -> MemoryBreakdown:
     tier = opt.shard_state.offload
     return MemoryBreakdown(
         params=params, grads=grads, master=master, optimizer_state=state, transient=transient,
+        residual=residual,
         ownership_imbalance=layout_imbalance([f.layout for f in opt.flats]),
         offloaded=0 if tier is None else tier.layout.nbytes,
         offload_tier=None if tier is None else tier.layout.tier,
@@ -178,6 +185,8 @@ def formula(
     optimizer: str = "adamw",
     offload: str | None = None,
     offload_fraction: float = 1.0,
+    quantize_gather: bool = False,
+    error_feedback: bool = False,
 ) -> MemoryBreakdown:
     """DESIGN §3's per-rank model states for ``num_params`` parameters, without padding.
 
@@ -191,6 +200,10 @@ def formula(
         optimizer: a key of `STATE_BYTES_PER_PARAM`.
         offload, offload_fraction: as in `zerolite.ZeroConfig`: that fraction of the
             master and optimizer-state bytes moves to ``offloaded`` (not rounded to pieces).
+        quantize_gather: ``ZeroConfig.quantize_gather`` (fp32 stages 1-2 at N > 1: the
+            master becomes a 4-byte copy).
+        error_feedback: ``ZeroConfig.quantize_reduce`` with ``error_feedback``: a 4-byte
+            residual per parameter and other rank, 4 (N-1)/N bytes per parameter.
     Returns:
         A `MemoryBreakdown` with ``transient = 0``. Example: 7.5e9 parameters, N=64,
         bf16, stages 0-3 give 120, 31.4, 16.6 and 1.88 GB of model states.
@@ -212,7 +225,8 @@ def formula(
     p = torch.empty(0, dtype=param_dtype).element_size()
     kept_grad_dtype = policy.grad_dtype(param_dtype, reduce_dtype or param_dtype)
     g = torch.empty(0, dtype=kept_grad_dtype).element_size()
-    master_bytes = 0 if param_dtype == torch.float32 else 4
+    copied = quantize_gather and world_size > 1 and not policy.shards_parameters
+    master_bytes = 0 if param_dtype == torch.float32 and not copied else 4
     state_bytes = STATE_BYTES_PER_PARAM[optimizer]
     master = round(master_bytes * held(policy.shards_optimizer_state))
     state = round(state_bytes * held(policy.shards_optimizer_state))
@@ -225,4 +239,5 @@ def formula(
         optimizer_state=state - off_state,
         offloaded=off_master + off_state,
         offload_tier=offload,
+        residual=round(4 * psi * (world_size - 1) / world_size) if error_feedback else 0,
     )

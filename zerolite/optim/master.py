@@ -34,9 +34,11 @@ class MasterShard:
     Args:
         flat: the flat parameter buffer whose shard this rank owns.
         offloaded: how many leading pieces of ``flat.pieces`` live on an offload tier.
+        copy: keep an fp32 copy even when the parameters are fp32 (a quantized all-gather
+            overwrites a replicated buffer's own shard with dequantized values).
     """
 
-    def __init__(self, flat: FlatParamBuffer, offloaded: int = 0) -> None:
+    def __init__(self, flat: FlatParamBuffer, offloaded: int = 0, *, copy: bool = False) -> None:
         self.flat = flat
         self.offloaded = offloaded
         fp32 = flat.data.dtype == torch.float32
@@ -44,9 +46,13 @@ class MasterShard:
         pieces = flat.pieces
         last = pieces[offloaded - 1] if offloaded else None
         self._start = 0 if fp32 or last is None else last.shard_start + last.numel
-        # 1-D, fp32: a view of flat.shard when params are fp32, else a copy of
-        # flat.shard[_start:] (the resident masters, and the padding).
-        self.data: torch.Tensor = flat.shard if fp32 else flat.shard[self._start :].float()
+        # 1-D, fp32: a view of flat.shard when params are fp32 (and no copy is asked for),
+        # else a copy of flat.shard[_start:] (the resident masters, and the padding).
+        self.data: torch.Tensor = (
+            flat.shard
+            if fp32 and not copy
+            else flat.shard[self._start :].to(torch.float32, copy=True)
+        )
         # fp32 views of `data`, one per flat.pieces entry: what the optimizer steps. 1-D, or
         # in the parameter's shape when pieces are whole parameters (whole-tensor ownership);
         # an offloaded 16-bit master is a meta tensor of its size (the tier holds it).

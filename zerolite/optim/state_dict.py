@@ -41,10 +41,16 @@ def sharded_state_dict(opt: ShardedOptimizer) -> dict[str, Any]:
         "stage": opt.config.stage,
         "layout": opt.layout_digest,
         "masters": [master.data for master in opt.masters],
+        # ZeroConfig.quantize_reduce's error-feedback residuals (the layout digest pins them).
+        "residuals": _residuals(opt),
         "loss_scaler": None if opt.loss_scaler is None else opt.loss_scaler.state_dict(),
         "groups": _group_names(opt),
     }
     return inner
+
+
+def _residuals(opt: ShardedOptimizer) -> list[torch.Tensor]:
+    return [b.residual for b in opt.buckets if b.residual is not None]
 
 
 def _group_names(opt: ShardedOptimizer) -> list[list[str]]:
@@ -128,6 +134,14 @@ def _check(opt: ShardedOptimizer, state_dict: dict[str, Any]) -> None:
                 f"master shard {i} of this state dict is {shape}, expected "
                 f"{tuple(master.data.shape)}; load the dict this rank saved with the same setup"
             )
+    residuals = meta.get("residuals")  # absent from dicts of older versions: restart at zero
+    if residuals is not None and [tuple(r.shape) for r in residuals] != [
+        tuple(r.shape) for r in _residuals(opt)
+    ]:
+        raise ValueError(
+            "this state dict's error-feedback residuals do not match this optimizer's "
+            "(ZeroConfig.quantize_reduce / error_feedback differ); load it into the same setup"
+        )
     if (meta["loss_scaler"] is None) != (opt.loss_scaler is None):
         raise ValueError("state dict and optimizer disagree on fp16 loss scaling")
 
@@ -146,6 +160,12 @@ def load_sharded_state_dict(opt: ShardedOptimizer, state_dict: dict[str, Any]) -
     opt.optimizer.load_state_dict({k: v for k, v in state_dict.items() if k != "zerolite"})
     for master, saved in zip(opt.masters, meta["masters"]):
         master.data.copy_(saved)
+    saved_residuals = meta.get("residuals")
+    for residual, saved in zip(_residuals(opt), saved_residuals or []):
+        residual.copy_(saved)
+    if saved_residuals is None:
+        for residual in _residuals(opt):
+            residual.zero_()
     opt.publish_masters()
     if opt.loss_scaler is not None:
         opt.loss_scaler.load_state_dict(meta["loss_scaler"])

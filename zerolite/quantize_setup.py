@@ -1,0 +1,100 @@
+"""Which exchanges `shard()` quantizes, and how (``ZeroConfig.quantize_*``).
+
+`describe_quantization` validates ``quantize_skip`` against the model and returns the
+lines every rank must agree on (run inside `shard()`'s agreement, before anything
+changes); `install_quantization` gives each flat buffer its gather `WireFormat` and each
+gradient bucket its reduce `WireFormat` and error-feedback residual.
+
+Nothing is quantized at world size 1 (nothing travels).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from zerolite.bucket import GradBucket
+from zerolite.collectives import Group
+from zerolite.config import ZeroConfig
+from zerolite.flat_buffer import FlatParamBuffer
+from zerolite.quantize import WireFormat
+
+__all__ = ["describe_quantization", "install_quantization", "residual_numel"]
+
+
+def describe_quantization(config: ZeroConfig, model: nn.Module, partition: str) -> list[str]:
+    """The quantization settings as agreement lines ([] when nothing is quantized).
+
+    Raises:
+        ValueError: a ``quantize_skip`` name is not a parameter of ``model``, or whole-tensor
+            ownership (``partition == "tensor"``) was asked for.
+    """
+    if not config.quantizes:
+        return []
+    if partition == "tensor":
+        # Owned tensors travel in uneven per-owner chunks, which the block codec's
+        # equal-chunk messages do not cover.
+        raise ValueError(
+            "ZeroConfig.quantize_gather / quantize_reduce work with partition='flat' only; "
+            "this model uses whole-tensor ownership (partition='tensor', e.g. for Muon or "
+            "Adafactor). Turn quantization off, or use an elementwise optimizer"
+        )
+    names = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+    unknown = [n for n in config.quantize_skip if n not in names]
+    if unknown:
+        raise ValueError(
+            f"ZeroConfig.quantize_skip: {unknown[:5]} are not parameters of the model; use "
+            "names as model.named_parameters() spells them (e.g. 'blocks.0.attn.weight')"
+        )
+    return [
+        f"quantize: gather={config.quantize_gather} reduce={config.quantize_reduce} "
+        f"block={config.quant_block} error_feedback={config.error_feedback} "
+        f"skip={sorted(config.quantize_skip)}"
+    ]
+
+
+def _raw_params(flat: FlatParamBuffer, config: ZeroConfig, skipped: set[int]) -> set[int]:
+    """Indices of ``flat``'s parameters that travel unquantized."""
+    return {
+        i
+        for i, p in enumerate(flat.params)
+        if p.numel() < config.quant_block or id(p) in skipped
+    }
+
+
+def install_quantization(
+    model: nn.Module,
+    config: ZeroConfig,
+    group: Group,
+    flats: list[FlatParamBuffer],
+    buckets: list[GradBucket],
+) -> None:
+    """Attach wire formats (and residuals) to ``flats`` (every gathered buffer, frozen ones
+    included) and ``buckets``. Local; every rank computes the same formats."""
+    if group.size == 1 or not config.quantizes:
+        return
+    named = dict(model.named_parameters(remove_duplicate=False))
+    skipped = {id(named[n]) for n in config.quantize_skip}
+    block = config.quant_block
+    if config.quantize_gather:
+        for flat in flats:
+            raw = _raw_params(flat, config, skipped)
+            flat.gather_wire = WireFormat(flat.layout, raw, flat.data.dtype, block)
+    if config.quantize_reduce:
+        for bucket in buckets:
+            raw = _raw_params(bucket.flat, config, skipped)
+            bucket.wire = WireFormat(bucket.flat.layout, raw, bucket.shard_dtype, block)
+            if config.error_feedback:
+                bucket.residual = torch.zeros(
+                    (group.size - 1, bucket.flat.layout.shard_numel),
+                    dtype=torch.float32,
+                    device=bucket.flat.data.device,
+                )
+
+
+def residual_numel(shard_numel: int, world_size: int, config: ZeroConfig) -> int:
+    """Elements (fp32) of one bucket's error-feedback residual: ``(N - 1) * shard_numel``
+    with ``quantize_reduce`` and ``error_feedback`` at ``N > 1``, else 0."""
+    if world_size == 1 or not (config.quantize_reduce and config.error_feedback):
+        return 0
+    return (world_size - 1) * shard_numel

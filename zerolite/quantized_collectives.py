@@ -1,0 +1,140 @@
+"""The quantized variants of `zerolite.collectives`' two data-path exchanges.
+
+Same contracts as `reduce_scatter_avg` and `all_gather_inplace` (1-D buffers of ``N``
+equal chunks, asynchronous launch, a `Pending` to wait on, tags and sequence numbers of
+[Note: lockstep]), but each chunk travels as one message of a `WireFormat`
+(`zerolite.quantize`): int8 blocks, fp32 scales, skipped parameters raw.
+
+- `quantized_all_gather`: rank ``r`` encodes chunk ``r``; every rank, ``r`` included,
+  decodes every chunk into the full buffer, so all ranks hold the same values.
+- `quantized_reduce_scatter_avg`: rank ``r`` encodes chunk ``j`` of its contribution for
+  each other rank ``j`` (plus, with error feedback, what quantization lost of it last
+  time) and keeps its own chunk exact. Rank ``j`` decodes and sums the ``N``
+  contributions in fp32 in rank order, then divides by ``N``.
+
+Both paths of ``ZeroConfig.collectives`` are supported: point-to-point messages, or the
+native all-gather / all-to-all of the message rows.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.profiler import record_function
+
+from zerolite.collectives import Group, Pending, _all_gather_flat, _chunk, _tag
+from zerolite.quantize import WireFormat
+
+__all__ = ["quantized_all_gather", "quantized_reduce_scatter_avg"]
+
+
+def quantized_all_gather(
+    full: torch.Tensor, wire: WireFormat, group: Group, *, key: int, what: str
+) -> Pending:
+    """Launch: every rank's chunk ``rank`` of ``full``, quantized, into all ranks' ``full``.
+
+    Args:
+        full: 1-D, ``N * S`` elements (``wire``'s layout padded); chunk ``rank`` is this
+            rank's input, and is overwritten with its own dequantized values at `wait`
+            like every other chunk. Must not be read or written until `wait`.
+        wire: the buffer's `WireFormat` (raw elements in ``full``'s dtype).
+        group, key, what: as `zerolite.collectives.all_gather_inplace`; every rank calls.
+    """
+    n = group.size
+    if n == 1:
+        return Pending()
+    shard = full.numel() // n
+    messages = wire.messages(full.device)
+    wire.chunks[group.rank].encode(_chunk(full, group.rank, shard), messages[group.rank])
+    tag = _tag(group.next_sequence(), key)
+    with record_function("zerolite::quantized_all_gather"):
+        if group.point_to_point:
+            works = []
+            for k in range(1, n):
+                dst, src = (group.rank + k) % n, (group.rank - k) % n
+                works.append(
+                    dist.isend(messages[group.rank], group.global_rank(dst), group.pg, tag)
+                )
+                works.append(dist.irecv(messages[src], group.global_rank(src), group.pg, tag))
+        else:
+            works = [
+                _all_gather_flat(
+                    messages.view(-1), messages[group.rank], group=group.pg, async_op=True
+                )
+            ]
+
+    def finish() -> None:
+        for j, codec in enumerate(wire.chunks):
+            codec.decode(messages[j], _chunk(full, j, shard))
+
+    return Pending(works, finish, group=group, what=what)
+
+
+def quantized_reduce_scatter_avg(
+    full: torch.Tensor,
+    out: torch.Tensor,
+    wire: WireFormat,
+    residual: torch.Tensor | None,
+    group: Group,
+    *,
+    key: int,
+    what: str,
+) -> Pending:
+    """Launch: ``out`` = mean over ranks of their ``full``'s chunk ``rank``, quantized.
+
+    Args:
+        full: 1-D, ``N * S`` elements, this rank's contribution; not modified. Must stay
+            alive and unchanged until the returned handle is waited on.
+        out: 1-D, ``S`` elements, any float dtype; written at `wait`.
+        wire: the buffer's `WireFormat` (raw elements in ``full``'s dtype).
+        residual: error feedback: ``(N - 1, S)`` fp32, row ``k - 1`` is what quantization
+            lost of the chunk sent to rank ``rank + k`` last time; added to this
+            contribution before quantizing and replaced by this one's loss. None: none.
+        group, key, what: as `zerolite.collectives.reduce_scatter_avg`; every rank calls.
+    """
+    n = group.size
+    shard = out.numel()
+    if n == 1:
+        out.copy_(full)
+        return Pending()
+    messages = wire.messages(full.device)
+    for k in range(1, n):
+        dst = (group.rank + k) % n
+        chunk = _chunk(full, dst, shard)
+        codec = wire.chunks[dst]
+        if residual is None:
+            codec.encode(chunk, messages[dst])
+            continue
+        contribution = torch.add(residual[k - 1], chunk)  # fp32, a new tensor
+        codec.encode(contribution, messages[dst])
+        # What the receiver will see, subtracted: the loss carried to the next exchange.
+        lost = residual[k - 1]
+        codec.decode(messages[dst], lost)
+        torch.sub(contribution, lost, out=lost)
+        # A non-finite block is sent as NaN (never hidden); it must not poison later steps.
+        torch.nan_to_num_(lost, nan=0.0, posinf=0.0, neginf=0.0)
+    received = wire.messages(full.device)
+    tag = _tag(group.next_sequence(), key)
+    with record_function("zerolite::quantized_reduce_scatter"):
+        if group.point_to_point:
+            works = []
+            for k in range(1, n):
+                dst, src = (group.rank + k) % n, (group.rank - k) % n
+                works.append(dist.isend(messages[dst], group.global_rank(dst), group.pg, tag))
+                works.append(dist.irecv(received[src], group.global_rank(src), group.pg, tag))
+        else:
+            works = [dist.all_to_all_single(received, messages, group=group.pg, async_op=True)]
+
+    def finish() -> None:
+        codec = wire.chunks[group.rank]
+        acc = torch.zeros(shard, dtype=torch.float32, device=out.device)
+        term = torch.empty_like(acc)
+        for src in range(n):
+            if src == group.rank:
+                acc.add_(_chunk(full, src, shard))
+            else:
+                codec.decode(received[src], term)
+                acc.add_(term)
+        out.copy_(acc.div_(n))
+
+    return Pending(works, finish, group=group, what=what)
