@@ -8,7 +8,8 @@ A bucket has two tensors:
   flight: allocated when the first gradient of a backward arrives, freed once the
   reduce-scatter that consumed it has finished.
 - ``shard``: 1-D, ``shard_numel`` elements in the reduce dtype: the average over ranks
-  of this rank's chunk of ``full``, accumulated over reduce-scatters until `zero`.
+  of this rank's chunk of ``full``, accumulated over reduce-scatters until `zero` (with
+  hybrid sharding, over every rank: see `zerolite.hybrid`).
 
 `launch` starts the reduce-scatter of ``full``; `wait` finishes it and adds the result
 into ``shard``. Exactly one of the two persists between steps (``keep_full``): stage 1
@@ -21,8 +22,9 @@ from __future__ import annotations
 
 import torch
 
-from zerolite.collectives import Group, Pending, reduce_scatter_avg
+from zerolite.collectives import Group, Pending
 from zerolite.flat_buffer import FlatParamBuffer
+from zerolite.hybrid import reduce_scatter_avg_world
 
 __all__ = ["GradBucket"]
 
@@ -150,7 +152,7 @@ class GradBucket:
         # Reduce straight into the shard when it holds nothing yet.
         out = self.shard if self.shard_is_zero else torch.empty_like(self.shard)
         what = f"the reduce-scatter of gradient bucket {self.flat.index}"
-        self._pending = reduce_scatter_avg(
+        self._pending = reduce_scatter_avg_world(
             send, out, self.group, key=2 * self.flat.index, what=what
         )
         self._result, self._sent = out, send

@@ -259,7 +259,8 @@ def _read_checked_index(path: Path, rank: int, world_size: int) -> dict[str, Any
 def _load(
     path: Path, model: nn.Module, optimizer: ShardedOptimizer, schedulers: Sequence[Any]
 ) -> Any:
-    group = optimizer.group
+    shards = optimizer.group
+    group = shards.world  # every rank agrees; hybrid replicas read the same ranges
     # A peer's failure is raised as CheckpointError here too (the documented type).
     with agreed("zerolite.checkpoint.load() (verifying files)", group, peer_error=CheckpointError):
         if optimizer.model is not model and not _holds_parameters_of(model, optimizer):
@@ -318,7 +319,10 @@ def _load(
                     )
                 values = source.read(frozen.name, frozen.param_start, frozen.param_end)
                 frozen_pieces.append((frozen.shard, values))
-            same_world = index["world_size"] == group.size
+            # Each rank's own generator state exists only for a flat save at this world size.
+            same_world = (
+                index["world_size"] == group.size and index.get("replicas", 1) == 1
+            )
             rng_file = path / index["files"][group.rank if same_world else 0]["file"]
             with safe_open(rng_file, framework="pt") as f:
                 rng = f.get_tensor("rng/cpu")
@@ -347,7 +351,7 @@ def _load(
         shard.copy_(values)
     optimizer.publish_masters()
     if rng is not None:
-        if index["world_size"] == group.size:
+        if same_world:
             torch.set_rng_state(rng)
             if cuda_rng is not None and torch.cuda.is_available():
                 torch.cuda.set_rng_state(cuda_rng)  # the current device's, as saved

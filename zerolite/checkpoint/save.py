@@ -19,7 +19,10 @@ The sequence, and what a crash at each point leaves behind:
    removed (never the one ``latest`` names), and the lock is released.
 
 Every rank must call `save`; ranks learn of each other's failures at each phase, so a
-failed rank never leaves the others waiting. Several machines need a shared filesystem
+failed rank never leaves the others waiting. With hybrid sharding (`zerolite.hybrid`)
+the first replica group writes the files (one per shard rank: its replicas hold the same
+shards) and the other ranks only take part in the agreements; "rank 0" above is the
+first rank of the whole data-parallel group. Several machines need a shared filesystem
 (with working ``flock``; without it the save warns and goes on unlocked).
 """
 
@@ -163,6 +166,8 @@ def _index(
         "version": VERSION,
         "zerolite_version": __version__,
         "world_size": opt.group.size,
+        # Hybrid sharding: replica groups at save, each holding all world_size shards.
+        "replicas": opt.group.world.size // opt.group.size,
         "stage": opt.config.stage,
         "param_dtype": dtype_name(opt.config.param_dtype),
         "reduce_dtype": None
@@ -231,7 +236,7 @@ def save(
             (it holds the root's lock) -- before anything is written, on every rank.
     """
     path = Path(path)
-    group = optimizer.group
+    group = optimizer.group.world
     with agreed("zerolite.checkpoint.save()", group):
         problem = checkpoint_name_problem(path.name)
         if problem is not None:
@@ -306,20 +311,26 @@ def _write_and_commit(
     token: str,
 ) -> None:
     """Phases 2-4 of the module docstring; every rank calls, rank 0 holds the lock."""
-    group = optimizer.group
+    group = optimizer.group.world
+    shards = optimizer.group
+    # Hybrid: one replica group writes; the others hold the same shards.
+    writes = shards.replicas is None or shards.replicas.rank == 0
     with agreed("zerolite.checkpoint.save() (creating the directory)", group):
         if group.rank == 0:
             tmp.mkdir(parents=True)
+    record = b""
     with agreed("zerolite.checkpoint.save() (writing shards)", group):
-        tensors, pieces, frozen_pieces = rank_tensors(model, optimizer)
-        target = tmp / shard_file(group.rank, group.size)
-        record = _write_file(
-            target, tensors, group.rank, pieces, frozen_pieces, piece_groups(optimizer)
-        )
+        if writes:
+            tensors, pieces, frozen_pieces = rank_tensors(model, optimizer)
+            target = tmp / shard_file(shards.rank, shards.size)
+            record = _write_file(
+                target, tensors, shards.rank, pieces, frozen_pieces, piece_groups(optimizer)
+            )
     records = all_gather_bytes(record, group, what="checkpoint.save() (collecting file records)")
     with agreed("zerolite.checkpoint.save() (committing)", group):
         if group.rank == 0:
-            index["files"] = [json.loads(r) for r in records]
+            files = [json.loads(r) for r in records if r]
+            index["files"] = sorted(files, key=lambda f: f["rank"])
             data = json.dumps(index, indent=1).encode()
             write_atomic(tmp / INDEX, data)
             # Last: the checksum seals the index.

@@ -137,6 +137,7 @@ def formula(
     param_dtype: torch.dtype = torch.float32,
     reduce_dtype: torch.dtype | None = None,
     optimizer: str = "adamw",
+    shard_group_size: int | None = None,
 ) -> MemoryBreakdown:
     """DESIGN §3's per-rank model states for ``num_params`` parameters, without padding.
 
@@ -148,6 +149,8 @@ def formula(
         reduce_dtype: dtype of gradient shards (stages 2-3); None means ``param_dtype``.
             Stages 0-1 keep full gradients in ``param_dtype``.
         optimizer: a key of `STATE_BYTES_PER_PARAM`.
+        shard_group_size: k, hybrid sharding (`zerolite.hybrid`): states are sharded over
+            k ranks, not N (stage 3 in fp32 with Adam: 16Ψ/k); None means N.
     Returns:
         A `MemoryBreakdown` with ``transient = 0``. Example: 7.5e9 parameters, N=64,
         bf16, stages 0-3 give 120, 31.4, 16.6 and 1.88 GB of model states.
@@ -156,6 +159,12 @@ def formula(
         raise ValueError(f"stage must be 0 (DDP), 1, 2 or 3, got {stage!r}")
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size!r}")
+    k = world_size if shard_group_size is None else shard_group_size
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1 or k > world_size or world_size % k:
+        raise ValueError(
+            f"shard_group_size must be None or an int k >= 1 dividing world_size={world_size}, "
+            f"got {shard_group_size!r}"
+        )
     if optimizer not in STATE_BYTES_PER_PARAM:
         raise ValueError(
             f"optimizer must be one of {sorted(STATE_BYTES_PER_PARAM)}, got {optimizer!r}"
@@ -164,7 +173,7 @@ def formula(
     psi = Fraction(num_params)
 
     def held(sharded: bool) -> Fraction:  # elements per rank
-        return psi / world_size if sharded else psi
+        return psi / k if sharded else psi
 
     p = torch.empty(0, dtype=param_dtype).element_size()
     kept_grad_dtype = policy.grad_dtype(param_dtype, reduce_dtype or param_dtype)

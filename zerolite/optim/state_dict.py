@@ -130,7 +130,7 @@ def _check(opt: ShardedOptimizer, state_dict: dict[str, Any]) -> None:
 @torch.no_grad()
 def load_sharded_state_dict(opt: ShardedOptimizer, state_dict: dict[str, Any]) -> None:
     """Load this rank's dict (every rank must call, each with its own rank's dict)."""
-    with agreed("ShardedOptimizer.load_state_dict()", opt.group, [opt.layout_digest]):
+    with agreed("ShardedOptimizer.load_state_dict()", opt.group.world, [opt.layout_digest]):
         _check(opt, state_dict)
     meta = state_dict["zerolite"]
     opt.optimizer.load_state_dict({k: v for k, v in state_dict.items() if k != "zerolite"})
