@@ -80,8 +80,8 @@ class CommSpy:
     """Wraps ``torch.distributed`` functions with recorders that call straight through.
 
     Each event is ``(name, elements, caller, phase, peers, dtype)``: ``peers`` as
-    `_peers`, ``dtype`` the tensor's (None for a call without one). ``caller`` says which collective a
-    call belongs to: on gloo zerolite builds reduce-scatter and all-gather from
+    `_peers`, ``dtype`` the tensor's (None for a call without one). ``caller`` says which
+    collective a call belongs to: on gloo zerolite builds reduce-scatter and all-gather from
     ``isend``/``irecv``, so for those the stack is searched for the nearest function whose
     name contains ``reduce_scatter`` or ``all_gather`` (``"reduce_scatter"`` /
     ``"all_gather"``); otherwise it is the name of the function that called into
