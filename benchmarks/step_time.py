@@ -10,13 +10,21 @@ parameters with fp32 master shards):
     zero1    DDP + torch.distributed.optim.ZeroRedundancyOptimizer(AdamW)
     fsdp2    torch's fully_shard per block + root (bf16 via MixedPrecisionPolicy)
     zl1/zl2/zl3  zerolite.shard stage 1 / 2 / 3
+    zl2-hybrid/zl3-hybrid  stage 2 / 3 with ZeroConfig(shard_group_size=--node-size):
+                 sharded within each "node" of --node-size consecutive ranks, gradient
+                 shards all-reduced across nodes (not in the default list)
 
 Per system it prints the median step time, its ratio to DDP's median in the same round
 (mean and spread over rounds), tokens/s, model-state bytes per rank and their ratio to
 `zerolite.memory.formula`, transient bytes, and logical elements per collective kind per
 step, counted by a pass-through spy on torch.distributed in a separate counting step
 (elements one rank sends, as a ring would: all-reduce 2(N-1)/N of the buffer,
-all-gather and reduce-scatter (N-1)/N, point-to-point what is sent).
+all-gather and reduce-scatter (N-1)/N, point-to-point what is sent, N the call's group),
+and the same elements split by link: within a "node" (``--node-size`` consecutive ranks)
+or across nodes. A point-to-point send is on one link; a collective whose group spans
+nodes is counted across in full (an upper bound: a ring crosses nodes on some hops only).
+
+    python benchmarks/step_time.py --world-size 4 --systems zl2,zl2-hybrid --rounds 2
 
     python benchmarks/step_time.py [--rounds 5] [--dtypes fp32,bf16] [--device cuda]
 
@@ -28,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import math
 import statistics
 import sys
 import time
@@ -42,6 +51,7 @@ sys.path.insert(0, str(ROOT))
 
 import zerolite  # noqa: E402
 from examples.gpt import GPT, GPTConfig, param_groups, random_batch  # noqa: E402
+from tests.comm_spy import peers  # noqa: E402
 from zerolite.memory import footprint, formula  # noqa: E402
 from zerolite.testing import run_ranks  # noqa: E402
 
@@ -49,14 +59,16 @@ CFG = GPTConfig(vocab_size=8192, seq_len=128, n_layer=6, n_head=6, d_model=384)
 MICRO_BATCH = 4
 WARMUP, TIMED = 3, 10
 SYSTEMS = ("ddp", "zero1", "fsdp2", "zl1", "zl2", "zl3")
-STAGE = {"ddp": 0, "zero1": 1, "fsdp2": 3, "zl1": 1, "zl2": 2, "zl3": 3}
+STAGE = {"ddp": 0, "zero1": 1, "fsdp2": 3, "zl1": 1, "zl2": 2, "zl3": 3,
+         "zl2-hybrid": 2, "zl3-hybrid": 3}
 SPIED = ("isend", "irecv", "all_reduce", "broadcast", "all_gather", "reduce_scatter_single",
          "all_gather_single", "reduce_scatter_tensor", "all_gather_into_tensor")
 
 
 def _sent(name: str, numel: int, n: int) -> float:
-    """Elements one rank sends for a call whose first tensor has ``numel`` elements, as a
-    ring would (so that point-to-point and collective counts compare)."""
+    """Elements one rank sends for a call whose first tensor has ``numel`` elements, over a
+    group of ``n`` ranks, as a ring would (so that point-to-point and collective counts
+    compare)."""
     if name == "all_reduce":
         return 2 * numel * (n - 1) / n
     # first arg: the output
@@ -68,10 +80,13 @@ def _sent(name: str, numel: int, n: int) -> float:
 
 
 class CommSpy:
-    """Pass-through wrappers on torch.distributed functions counting elements per call kind."""
+    """Pass-through wrappers on torch.distributed functions counting elements per call kind,
+    and per link (``"within"`` a node of ``node_size`` ranks, ``"across"`` nodes)."""
 
-    def __init__(self) -> None:
+    def __init__(self, node_size: int) -> None:
         self.elements: dict[str, float] = defaultdict(float)
+        self.links: dict[str, float] = {"within": 0.0, "across": 0.0}
+        self.node_size = node_size
         self._saved: dict[str, object] = {}
 
     def __enter__(self) -> CommSpy:
@@ -82,7 +97,14 @@ class CommSpy:
             def spy(*args, _original=original, _name=name, **kwargs):
                 tensor = args[0] if args else next(iter(kwargs.values()))
                 if isinstance(tensor, torch.Tensor):
-                    self.elements[_name] += _sent(_name, tensor.numel(), dist.get_world_size())
+                    ranks = peers(_name, args, kwargs)
+                    n = dist.get_world_size() if _name in ("isend", "irecv") else len(ranks)
+                    sent = _sent(_name, tensor.numel(), n)
+                    self.elements[_name] += sent
+                    if _name != "irecv":  # what this rank sends
+                        nodes = {r // self.node_size for r in ranks}
+                        mine = dist.get_rank() // self.node_size
+                        self.links["within" if nodes == {mine} else "across"] += sent
                 return _original(*args, **kwargs)
 
             setattr(dist, name, spy)
@@ -102,7 +124,7 @@ def _census(tensors) -> int:
     return total
 
 
-def _build(system: str, dtype: str, device: torch.device):
+def _build(system: str, dtype: str, device: torch.device, node_size: int):
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
     from torch.distributed.optim import ZeroRedundancyOptimizer
     from torch.nn.parallel import DistributedDataParallel
@@ -113,7 +135,8 @@ def _build(system: str, dtype: str, device: torch.device):
     autocast = contextlib.nullcontext
     if system.startswith("zl"):
         cfg = zerolite.ZeroConfig(
-            stage=STAGE[system], param_dtype=torch.bfloat16 if dtype == "bf16" else torch.float32
+            stage=STAGE[system], param_dtype=torch.bfloat16 if dtype == "bf16" else torch.float32,
+            shard_group_size=node_size if system.endswith("-hybrid") else None,
         )
         opt = zerolite.shard(model, torch.optim.AdamW(groups, lr=3e-4), cfg)
         return model, model, opt, autocast, lambda: footprint(opt)
@@ -179,13 +202,13 @@ def _one_step(module, opt, autocast, x, y, after_step=None):
     return loss
 
 
-def _run_system(system: str, dtype: str, device_name: str) -> dict:
+def _run_system(system: str, dtype: str, device_name: str, node_size: int) -> dict:
     torch.set_num_threads(1)
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device(device_name, rank) if device_name == "cuda" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    model, module, opt, autocast, measure = _build(system, dtype, device)
+    model, module, opt, autocast, measure = _build(system, dtype, device, node_size)
     batches = [random_batch(CFG, MICRO_BATCH * world, seed=s) for s in range(WARMUP + TIMED + 1)]
     batches = [(x[rank::world].to(device), y[rank::world].to(device)) for x, y in batches]
     times = []
@@ -202,12 +225,12 @@ def _run_system(system: str, dtype: str, device_name: str) -> dict:
     if system in ("ddp", "zero1"):
         module.register_comm_hook(None, module._zerolite_bench_hook)
     measured = []
-    with CommSpy() as spy:
+    with CommSpy(node_size) as spy:
         _one_step(
             module, opt, autocast, *batches[-1], after_step=lambda: measured.append(measure())
         )
     mem = measured[0]
-    return {"times": times, "elements": dict(spy.elements), "memory": mem,
+    return {"times": times, "elements": dict(spy.elements), "links": spy.links, "memory": mem,
             "numel": sum(p.numel() for p in model.parameters())}
 
 
@@ -220,6 +243,9 @@ def main() -> None:
     parser.add_argument("--systems", default=",".join(SYSTEMS))
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--node-size", type=int, default=2,
+                        help="ranks per 'node': the hybrid systems' shard_group_size, and "
+                        "the split of elements by link")
     args = parser.parse_args()
     backend = "nccl" if args.device == "cuda" else "gloo"
     systems = args.systems.split(",")
@@ -232,21 +258,22 @@ def main() -> None:
             medians = {}
             for system in order:
                 ranks = run_ranks(_run_system, args.world_size, system, dtype, args.device,
-                                  timeout=600, backend=backend)
+                                  args.node_size, timeout=600, backend=backend)
                 result = ranks[0]
                 medians[system] = statistics.median(
                     max(rr["times"][i] for rr in ranks) for i in range(TIMED)
                 )
                 results[(system, dtype)].append(result)
             for system in systems:
-                ratios[(system, dtype)].append(medians[system] / medians["ddp"])
+                ratios[(system, dtype)].append(medians[system] / medians.get("ddp", math.nan))
         print(f"round {r + 1}/{args.rounds} done", flush=True)
     tokens = MICRO_BATCH * CFG.seq_len * args.world_size
     print(f"\n{CFG}, micro-batch {MICRO_BATCH}/rank, {args.world_size} ranks, {args.device}, "
           f"{args.rounds} rounds x {TIMED} timed steps")
     header = (
-        f"{'system':7s} {'dtype':5s} {'median ms':>9s} {'x DDP':>6s} {'spread':>13s} {'tok/s':>7s} "
-        f"{'states MB':>9s} {'/formula':>8s} {'trans MB':>8s}  elements per step by call"
+        f"{'system':10s} {'dtype':5s} {'median ms':>9s} {'x DDP':>6s} {'spread':>13s} "
+        f"{'tok/s':>7s} {'states MB':>9s} {'/formula':>8s} {'trans MB':>8s} {'within M':>8s} "
+        f"{'across M':>8s}  elements per step by call"
     )
     print(header)
     for dtype in args.dtypes.split(","):
@@ -257,14 +284,17 @@ def main() -> None:
             mem = runs[-1]["memory"]
             ref = formula(runs[-1]["numel"], world_size=args.world_size, stage=STAGE[system],
                           param_dtype=torch.bfloat16 if dtype == "bf16" and system.startswith("zl")
-                          else torch.float32)
+                          else torch.float32,
+                          shard_group_size=args.node_size if system.endswith("-hybrid") else None)
             elements = ", ".join(
                 f"{k}={v / 1e6:.2f}M" for k, v in sorted(runs[-1]["elements"].items())
             )
+            links = runs[-1]["links"]
             print(
-                f"{system:7s} {dtype:5s} {med * 1e3:9.1f} {statistics.mean(rs):6.3f} "
+                f"{system:10s} {dtype:5s} {med * 1e3:9.1f} {statistics.mean(rs):6.3f} "
                 f"{min(rs):6.3f}-{max(rs):6.3f} {tokens / med:7.0f} {mem.model_states / 1e6:9.1f} "
-                f"{mem.model_states / ref.model_states:8.3f} {mem.transient / 1e6:8.1f}  {elements}"
+                f"{mem.model_states / ref.model_states:8.3f} {mem.transient / 1e6:8.1f} "
+                f"{links['within'] / 1e6:8.2f} {links['across'] / 1e6:8.2f}  {elements}"
             )
 
 

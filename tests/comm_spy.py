@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from typing_extensions import Self
 
-__all__ = ["CommSpy", "link_elements"]
+__all__ = ["CommSpy", "link_elements", "peers"]
 
 _SPIED = (
     "isend", "irecv", "send", "recv", "batch_isend_irecv",
@@ -28,7 +28,7 @@ _SPIED = (
 _P2P = ("isend", "irecv", "send", "recv")
 
 
-def _peers(name: str, args: tuple, kwargs: dict) -> tuple[int, ...]:
+def peers(name: str, args: tuple, kwargs: dict) -> tuple[int, ...]:
     """The global ranks a call talks to: the peer of a point-to-point call, else every rank
     of its group (the default group when none is given)."""
     if name in _P2P:
@@ -51,15 +51,15 @@ def link_elements(events, node_size: int) -> dict[str, float]:
     me = dist.get_rank()
     node = me // node_size
     out = {"within": 0.0, "across": 0.0, "control": 0.0}
-    for name, numel, _caller, _phase, peers, dtype in events:
+    for name, numel, _caller, _phase, ranks, dtype in events:
         if name == "isend":
-            out["within" if peers[0] // node_size == node else "across"] += numel
-        elif name == "all_reduce" and len(peers) > 1:
-            sent = 2 * (len(peers) - 1) / len(peers) * numel
+            out["within" if ranks[0] // node_size == node else "across"] += numel
+        elif name == "all_reduce" and len(ranks) > 1:
+            sent = 2 * (len(ranks) - 1) / len(ranks) * numel
             if dtype is not None and not dtype.is_floating_point:
                 out["control"] += sent
             else:
-                out["across" if {p // node_size for p in peers} != {node} else "within"] += sent
+                out["across" if {p // node_size for p in ranks} != {node} else "within"] += sent
     return out
 
 
@@ -80,7 +80,7 @@ class CommSpy:
     """Wraps ``torch.distributed`` functions with recorders that call straight through.
 
     Each event is ``(name, elements, caller, phase, peers, dtype)``: ``peers`` as
-    `_peers`, ``dtype`` the tensor's (None for a call without one). ``caller`` says which
+    `peers`, ``dtype`` the tensor's (None for a call without one). ``caller`` says which
     collective a call belongs to: on gloo zerolite builds reduce-scatter and all-gather from
     ``isend``/``irecv``, so for those the stack is searched for the nearest function whose
     name contains ``reduce_scatter`` or ``all_gather`` (``"reduce_scatter"`` /
@@ -117,7 +117,7 @@ class CommSpy:
             numel = t.numel() if isinstance(t, torch.Tensor) else 0
             dtype = t.dtype if isinstance(t, torch.Tensor) else None
             self.events.append(
-                (name, numel, caller, self.phase, _peers(name, args, kwargs), dtype)
+                (name, numel, caller, self.phase, peers(name, args, kwargs), dtype)
             )
             return fn(*args, **kwargs)
 

@@ -209,9 +209,11 @@ def load(
     """Restore ``model``, ``optimizer`` and ``schedulers`` from checkpoint ``path``.
 
     Every rank must call. Works at any world size, stage and bucket size relative to
-    the save. RNG states (CPU, and CUDA where the save had it and CUDA is available)
-    are restored per rank when the world size is unchanged; otherwise every rank reseeds
-    CPU and CUDA deterministically from the saved rank-0 state and its new rank. Loaded
+    the save, hybrid sharding included (`zerolite.hybrid`). RNG states (CPU, and CUDA where
+    the save had it and CUDA is available) are restored per rank when the world size is
+    unchanged and the save was not hybrid (a hybrid save holds the first replica group's
+    states only); otherwise every rank reseeds CPU and CUDA deterministically from the
+    saved rank-0 state and its new rank. Loaded
     optimizer state is held in its own storage, exactly as a fresh
     shard's (nothing of the saved files stays referenced).
 

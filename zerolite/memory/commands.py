@@ -59,6 +59,9 @@ def add_estimate_arguments(parser: argparse.ArgumentParser) -> None:
                              "mixed-precision accounting)")
     parser.add_argument("--reduce-dtype", choices=sorted(_DTYPES), default=None,
                         help="gradient dtype (default: --dtype)")
+    parser.add_argument("--shard-group-size", type=_world_size, default=None, metavar="K",
+                        help="hybrid sharding: shard over groups of K ranks (e.g. the GPUs "
+                             "per machine), replicate across them (default: all ranks)")
     # The names the estimator knows state layouts for: one registry, so the two cannot drift.
     parser.add_argument("--optimizer", default="adamw", choices=sorted(NAMED))
 
@@ -113,14 +116,16 @@ def run_estimate(args: argparse.Namespace) -> int:
         count = sum(p.numel() for p in subject.parameters())
     else:
         subject = count = args.params
-    print(f"{count:,} parameters, {args.world_size} ranks, {args.dtype} parameters, "
+    hybrid = {} if args.shard_group_size is None else {"shard_group_size": args.shard_group_size}
+    shards = f" sharded in groups of {args.shard_group_size}" if hybrid else ""
+    print(f"{count:,} parameters, {args.world_size} ranks{shards}, {args.dtype} parameters, "
           f"{args.reduce_dtype or args.dtype} gradients, {args.optimizer}; decimal GB per rank")
     print(
         f"{'stage':8s} {'params':>8s} {'grads':>8s} {'master':>8s} {'optim':>8s} "
         f"{'model states':>13s} {'transient':>10s}"
     )
     for stage, policy in STAGES.items():
-        config = ZeroConfig(stage=stage, param_dtype=dtype, reduce_dtype=reduce)
+        config = ZeroConfig(stage=stage, param_dtype=dtype, reduce_dtype=reduce, **hybrid)
         ddp = not policy.shards_optimizer_state  # DDP shards nothing: counted, not planned
         target = count if ddp else subject
         b: MemoryBreakdown = estimate(
