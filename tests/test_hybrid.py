@@ -8,7 +8,8 @@ Three launches of 4 ranks; the ranks measure and the assertions run here.
 - Links: per step and rank, nothing is sent point-to-point across nodes; the gradient
   all-reduces across replica groups move 2 (R-1)/R Psi/k elements (padding included);
   within a node hybrid moves exactly what the flat stages move at k ranks (the same model
-  sharded flat over the node's two ranks).
+  sharded flat over the node's two ranks). torch's native reduce-scatter and all-gather
+  give the results of the point-to-point ones (1e-6).
 - Checkpoints: hybrid 2x2 -> flat 4 -> 1 rank -> hybrid 2x2, each loading the previous
   save and saving again; masters and optimizer state are bitwise equal in all four, and a
   hybrid save has k files.
@@ -82,10 +83,11 @@ def _train(model, opt, data, *, clip, no_sync, sliced=True) -> list[float]:
     return losses
 
 
-def _hybrid(stage, dtype=torch.float32, process_group=None, k=K, reduce_dtype=None):
+def _hybrid(stage, dtype=torch.float32, process_group=None, k=K, reduce_dtype=None,
+            collectives="auto"):
     model = parity.make_model()
     config = ZeroConfig(stage=stage, param_dtype=dtype, reduce_dtype=reduce_dtype,
-                        bucket_size_mb=SMALL_BUCKETS_MB,
+                        bucket_size_mb=SMALL_BUCKETS_MB, collectives=collectives,
                         shard_group_size=None if process_group is not None else k,
                         process_group=process_group)
     return model, zerolite.shard(model, parity.make_optimizer("AdamW", model), config)
@@ -237,6 +239,13 @@ def _links_rank() -> dict:
         out["flat_k", stage] = _per_step(model, opt, data)
         model, opt = _hybrid(stage, k=None)
         out["flat_n", stage] = _per_step(model, opt, data)
+    # torch.distributed's own reduce-scatter and all-gather (what NCCL runs) within groups.
+    finals = []
+    for collectives in ("point_to_point", "native"):
+        model, opt = _hybrid(2, collectives=collectives)
+        _train_steps(model, opt)
+        finals.append(zerolite.full_state_dict(model, rank0_only=False))
+    out["native_vs_p2p"] = max(parity.rel_err(finals[1][n], p) for n, p in finals[0].items())
     return out
 
 
@@ -265,6 +274,7 @@ def test_elements_per_link_equal_the_formula():
             assert flat_n["across"] > K * links["across"] * 0.9, (r, stage, flat_n, links)
         for fp, est in rep["memory"]:
             assert fp == est, rep["memory"]
+        assert rep["native_vs_p2p"] <= 1e-6, rep["native_vs_p2p"]
 
 
 def test_formula_takes_k():
