@@ -9,7 +9,8 @@ Three launches of 4 ranks; the ranks measure and the assertions run here.
   all-reduces across replica groups move 2 (R-1)/R Psi/k elements (padding included);
   within a node hybrid moves exactly what the flat stages move at k ranks (the same model
   sharded flat over the node's two ranks). torch's native reduce-scatter and all-gather
-  give the results of the point-to-point ones (1e-6).
+  give the results of the point-to-point ones (1e-6), and so does hybrid inside a subgroup
+  of the default group (its process groups created by their members only).
 - Checkpoints: hybrid 2x2 -> flat 4 -> 1 rank -> hybrid 2x2, each loading the previous
   save and saving again; masters and optimizer state are bitwise equal in all four, and a
   hybrid save has k files.
@@ -88,7 +89,7 @@ def _hybrid(stage, dtype=torch.float32, process_group=None, k=K, reduce_dtype=No
     model = parity.make_model()
     config = ZeroConfig(stage=stage, param_dtype=dtype, reduce_dtype=reduce_dtype,
                         bucket_size_mb=SMALL_BUCKETS_MB, collectives=collectives,
-                        shard_group_size=None if process_group is not None else k,
+                        shard_group_size=k,
                         process_group=process_group)
     return model, zerolite.shard(model, parity.make_optimizer("AdamW", model), config)
 
@@ -235,7 +236,7 @@ def _links_rank() -> dict:
                                              shard_group_size=K))
             out["memory"] = [(getattr(fp, f), getattr(est, f))
                              for f in ("params", "grads", "master", "optimizer_state")]
-        model, opt = _hybrid(stage, process_group=node_groups[node])
+        model, opt = _hybrid(stage, process_group=node_groups[node], k=None)
         out["flat_k", stage] = _per_step(model, opt, data)
         model, opt = _hybrid(stage, k=None)
         out["flat_n", stage] = _per_step(model, opt, data)
@@ -246,6 +247,14 @@ def _links_rank() -> dict:
         _train_steps(model, opt)
         finals.append(zerolite.full_state_dict(model, rank0_only=False))
     out["native_vs_p2p"] = max(parity.rel_err(finals[1][n], p) for n, p in finals[0].items())
+    # Hybrid inside a subgroup (k=1 within each node: DDP there), whose groups only their
+    # members create: the same parameters as the flat stage on the node.
+    finals = []
+    for k in (1, None):
+        model, opt = _hybrid(2, process_group=node_groups[node], k=k)
+        _train_steps(model, opt)
+        finals.append(zerolite.full_state_dict(model, rank0_only=False))
+    out["subgroup_vs_flat"] = max(parity.rel_err(finals[0][n], p) for n, p in finals[1].items())
     return out
 
 
@@ -275,6 +284,7 @@ def test_elements_per_link_equal_the_formula():
         for fp, est in rep["memory"]:
             assert fp == est, rep["memory"]
         assert rep["native_vs_p2p"] <= 1e-6, rep["native_vs_p2p"]
+        assert rep["subgroup_vs_flat"] <= 1e-6, rep["subgroup_vs_flat"]
 
 
 def test_formula_takes_k():
@@ -311,7 +321,7 @@ def _checkpoint_rank(root: str) -> dict:
     checkpoint.save(root_path / "b-flat", model, opt)
     solo = dist.new_group([0])
     if rank == 0:
-        model, opt = _hybrid(1, process_group=solo)
+        model, opt = _hybrid(1, process_group=solo, k=None)
         checkpoint.load(root_path / "b-flat", model, opt)
         checkpoint.save(root_path / "c-one", model, opt)
     dist.barrier()
