@@ -6,6 +6,8 @@
 - Bad input: k = 3 (does not divide 4), k = 8 (> 4), a 1-D and a 3-D mesh, each a
   ValueError naming the value; a rank with another k raises on every rank (the divergence
   guard); ``"node"`` takes k from ``LOCAL_WORLD_SIZE``.
+- A model built on the meta device shards at stage 3 with k = 2 into bitwise the normal
+  build's parameters, before and after a step.
 """
 
 from __future__ import annotations
@@ -19,8 +21,11 @@ import torch.distributed as dist
 from safetensors import safe_open
 from torch.distributed.device_mesh import init_device_mesh
 
-from tests.rank_reports import guarded
+import zerolite
+from tests import parity
+from tests.rank_reports import SMALL_BUCKETS_MB, guarded
 from tests.test_hybrid import TIMEOUT, K, N, R, _hybrid, _train_steps
+from tests.test_meta_init import _build as build_plain_gpt
 from zerolite import ZeroConfig, checkpoint
 from zerolite.errors import RankMismatchError
 from zerolite.testing import run_ranks
@@ -49,7 +54,22 @@ def _checkpoint_rank(root: str) -> dict:
     checkpoint.save(root_path / "d-hybrid", model, opt)
     _train_steps(model, opt, 1)  # and it trains on
     report["errors"] = _bad_inputs()
+    report["meta_equal"] = _meta_equals_normal()
     return report
+
+
+def _meta_equals_normal() -> list[bool]:
+    """Per moment (built, after a step): the meta build's full parameters equal the normal
+    build's."""
+    config = ZeroConfig(stage=3, bucket_size_mb=SMALL_BUCKETS_MB, shard_group_size=K)
+    fulls: list[list[dict]] = []
+    for meta in (False, True):
+        model = build_plain_gpt(meta)
+        opt = zerolite.shard(model, parity.make_optimizer("AdamW", model), config)
+        fulls.append([zerolite.full_state_dict(model, rank0_only=False)])
+        _train_steps(model, opt, 1)
+        fulls[-1].append(zerolite.full_state_dict(model, rank0_only=False))
+    return [all(torch.equal(a[n], b[n]) for n in a) for a, b in zip(*fulls)]
 
 
 def _raises(fn) -> str:
@@ -124,3 +144,4 @@ def test_checkpoint_topology_round_trip_and_bad_input(tmp_path):
         assert errors["rank 3 flat"].startswith(RankMismatchError.__name__), errors
         assert "shard_group_size" in errors["rank 3 flat"], errors
         assert errors["node"] == (K, R)
+        assert rep["meta_equal"] == [True, True], rep["meta_equal"]
