@@ -1,23 +1,43 @@
-"""Checkpoint I/O of the benchmark GPT: bytes written, save and load seconds.
+"""Checkpoint I/O side by side: zerolite (sync and async), DCP (sync and async), torch.save.
 
-Fixed configuration: GPT 6 layers, d_model 384, 6 heads, vocab 8192, seq 128 (tied
-head; examples/gpt.py defaults), AdamW(lr 3e-4, weight_decay 0.1), zerolite stage 2,
-2 ranks on gloo, 1 thread per rank. One training step first, so that the optimizer
-state exists. Each repeat saves a new checkpoint (barrier, `save`, barrier) and loads
-it back into a freshly sharded model (barrier, `load`, barrier); the times are those of
-rank 0 between the barriers. Files are written to a temporary directory (``--dir``),
-so loads usually read from the page cache.
+One model and optimizer for every method: the benchmark GPT (examples/gpt.py) at about
+100M parameters (12 layers, d_model 768, 12 heads, vocab 16384, seq 128; tied head) with
+AdamW, 2 ranks on gloo (CPU), 1 thread per rank, one training step taken first so that
+the optimizer state exists. Methods:
 
-    python benchmarks/checkpoint_io.py [--repeats 3] [--dir DIR]
+- ``zerolite sync``: ``zerolite.checkpoint.save`` (stage 2: each rank its fp32 master and
+  AdamW shard, rank 0 also the buffers), then ``load`` into a freshly sharded model;
+- ``zerolite async``: ``save(..., blocking=False)``; blocking = the call, total = until
+  ``wait()`` returns on every rank;
+- ``DCP sync`` / ``DCP async``: the model sharded with FSDP2 ``fully_shard`` (per block,
+  then the root) on a CPU device mesh; ``get_state_dict`` then ``dcp.save`` /
+  ``dcp.async_save`` (its background collectives on a separate gloo group, as DCP's docs
+  advise); load: ``dcp.load`` + ``set_state_dict`` into a fresh FSDP2 model;
+- ``torch.save (DDP)``: rank 0 writes ``{"model": ..., "optim": ...}`` of a DDP model
+  (full state dict) and fsyncs it (the other methods fsync too); load: every rank
+  ``torch.load(weights_only=True)`` + ``load_state_dict``.
+
+Times are rank 0's between barriers, except blocking, the slowest rank's call. GB/s is
+checkpoint bytes over total (save) or load seconds. Each sharded method saves once
+untimed first (zerolite's staging area is then allocated and reused, as in training; DCP
+gets the same warm-up), then the timed save. Files go to a temporary directory
+(``--dir``) and are removed after each method; loads read what was just written, so
+mostly from the page cache, for every method alike.
+
+    python benchmarks/checkpoint_io.py [--repeats 1] [--dir DIR] [--small]
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
+import os
+import shutil
 import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -31,59 +51,197 @@ from examples.gpt import GPT, GPTConfig, param_groups, random_batch  # noqa: E40
 from zerolite import checkpoint as ckpt  # noqa: E402
 from zerolite.testing import run_ranks  # noqa: E402
 
+BIG = GPTConfig(vocab_size=16384, seq_len=128, n_layer=12, n_head=12, d_model=768)
 
-def _sharded(cfg: GPTConfig):
+
+def _model(cfg: GPTConfig) -> GPT:
     torch.manual_seed(0)
-    model = GPT(cfg)
-    opt = torch.optim.AdamW(param_groups(model, 0.1), lr=3e-4)
-    return model, zerolite.shard(model, opt, zerolite.ZeroConfig(stage=2))
+    return GPT(cfg)
 
 
-def _run(root: str, repeats: int) -> dict:
-    cfg = GPTConfig()
-    model, opt = _sharded(cfg)
-    x, y = random_batch(cfg, 4, seed=dist.get_rank())
+def _optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(param_groups(model, 0.1), lr=3e-4)
+
+
+def _step(cfg: GPTConfig, model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+    x, y = random_batch(cfg, 2, seed=dist.get_rank())
     model(x, y).backward()
     opt.step()
     opt.zero_grad()
-    saves, loads, sizes = [], [], []
+
+
+def _timed(fn: Callable[[], object]) -> tuple[float, object]:
+    dist.barrier()
+    start = time.perf_counter()
+    out = fn()
+    dist.barrier()
+    return time.perf_counter() - start, out
+
+
+def _slowest(seconds: float) -> float:
+    box: list[float | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(box, seconds)
+    return max(b for b in box if b is not None)
+
+
+def _bytes(path: Path) -> int:
+    box = [sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.exists() else 0]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _zerolite(cfg: GPTConfig, path: Path, blocking: bool) -> dict:
+    def sharded() -> tuple[torch.nn.Module, zerolite.ShardedOptimizer]:
+        model = _model(cfg)
+        return model, zerolite.shard(model, _optimizer(model), zerolite.ZeroConfig(stage=2))
+
+    model, opt = sharded()
+    _step(cfg, model, opt)
+    called: list[float] = []
+
+    def save(target: Path) -> None:
+        start = time.perf_counter()
+        pending = ckpt.save(target, model, opt, blocking=blocking)
+        called.append(time.perf_counter() - start)
+        if not blocking:
+            pending.wait()
+
+    _timed(lambda: save(path.with_name(path.name + "-warm")))  # staging area allocated
+    total, _ = _timed(lambda: save(path))
+    model = opt = None
+    gc.collect()
+    fresh, fresh_opt = sharded()
+    load, _ = _timed(lambda: ckpt.load(path, fresh, fresh_opt))
+    return {"blocking": _slowest(called[1]), "total": total, "load": load, "bytes": _bytes(path)}
+
+
+def _fsdp2(cfg: GPTConfig) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    model = _model(cfg)
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model, _optimizer(model)
+
+
+def _dcp(cfg: GPTConfig, path: Path, asynchronous: bool) -> dict:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model, opt = _fsdp2(cfg)
+    _step(cfg, model, opt)
+    side_group = dist.new_group(backend="gloo") if asynchronous else None
+    called: list[float] = []
+
+    def save(target: Path) -> None:
+        start = time.perf_counter()
+        msd, osd = get_state_dict(model, opt)
+        state = {"model": msd, "optim": osd}
+        if asynchronous:
+            future = dcp.async_save(state, checkpoint_id=str(target), process_group=side_group)
+            called.append(time.perf_counter() - start)
+            future.result()
+        else:
+            dcp.save(state, checkpoint_id=str(target))
+            called.append(time.perf_counter() - start)
+
+    _timed(lambda: save(path.with_name(path.name + "-warm")))  # as for zerolite
+    total, _ = _timed(lambda: save(path))
+    model = opt = None
+    gc.collect()
+    fresh, fresh_opt = _fsdp2(cfg)
+
+    def load() -> None:
+        msd, osd = get_state_dict(fresh, fresh_opt)
+        state = {"model": msd, "optim": osd}
+        dcp.load(state, checkpoint_id=str(path))
+        set_state_dict(fresh, fresh_opt, model_state_dict=state["model"],
+                       optim_state_dict=state["optim"])
+
+    load_s, _ = _timed(load)
+    if side_group is not None:
+        dist.destroy_process_group(side_group)
+    return {"blocking": _slowest(called[1]), "total": total, "load": load_s,
+            "bytes": _bytes(path)}
+
+
+def _torch_save(cfg: GPTConfig, path: Path) -> dict:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    def replicated() -> tuple[DDP, torch.optim.Optimizer]:
+        model = DDP(_model(cfg))
+        return model, _optimizer(model.module)
+
+    model, opt = replicated()
+    _step(cfg, model, opt)
+    path.mkdir(parents=True, exist_ok=True)
+    file = path / "checkpoint.pt"
+
+    def save() -> None:
+        if dist.get_rank() == 0:
+            torch.save({"model": model.module.state_dict(), "optim": opt.state_dict()}, file)
+            with open(file, "rb+") as f:
+                os.fsync(f.fileno())
+
+    total, _ = _timed(save)
+    model = opt = None
+    gc.collect()
+    fresh, fresh_opt = replicated()
+
+    def load() -> None:
+        state = torch.load(file, map_location="cpu", weights_only=True)
+        fresh.module.load_state_dict(state["model"])
+        fresh_opt.load_state_dict(state["optim"])
+
+    load_s, _ = _timed(load)
+    return {"blocking": total, "total": total, "load": load_s, "bytes": _bytes(path)}
+
+
+METHODS: dict[str, Callable[[GPTConfig, Path], dict]] = {
+    "zerolite sync": lambda cfg, p: _zerolite(cfg, p, blocking=True),
+    "zerolite async": lambda cfg, p: _zerolite(cfg, p, blocking=False),
+    "DCP sync (FSDP2)": lambda cfg, p: _dcp(cfg, p, asynchronous=False),
+    "DCP async (FSDP2)": lambda cfg, p: _dcp(cfg, p, asynchronous=True),
+    "torch.save (DDP)": _torch_save,
+}
+
+
+def _run(root: str, repeats: int, small: bool) -> dict:
+    cfg = GPTConfig() if small else BIG
+    results: dict[str, list[dict]] = {name: [] for name in METHODS}
     for i in range(repeats):
-        path = Path(root) / f"ckpt-{i}"
-        dist.barrier()
-        start = time.perf_counter()
-        ckpt.save(path, model, opt, extra={"repeat": i})
-        dist.barrier()
-        saves.append(time.perf_counter() - start)
-        sizes.append({p.name: p.stat().st_size for p in path.iterdir()})
-        fresh, fresh_opt = _sharded(cfg)
-        dist.barrier()
-        start = time.perf_counter()
-        ckpt.load(path, fresh, fresh_opt)
-        dist.barrier()
-        loads.append(time.perf_counter() - start)
-        del fresh, fresh_opt
-    params = sum(p.numel() for p in model.parameters())
-    return {"saves": saves, "loads": loads, "sizes": sizes[-1], "params": params}
+        for name, method in METHODS.items():
+            path = Path(root) / f"{name.split()[0]}-{name.split()[1]}-{i}"
+            results[name].append(method(cfg, path))
+            dist.barrier()
+            if dist.get_rank() == 0:
+                for done in Path(root).iterdir():
+                    shutil.rmtree(done, ignore_errors=True)
+            gc.collect()
+    params = sum(p.numel() for p in _model(cfg).parameters())
+    return {"params": params, "results": results}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument(
-        "--dir", default=None, help="where to write (default: a temporary directory)"
-    )
+    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--dir", default=None, help="where to write (default: a temporary dir)")
+    parser.add_argument("--small", action="store_true", help="the 11M default GPT (quick check)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(dir=args.dir) as root:
-        result = run_ranks(_run, 2, root, args.repeats, timeout=600)[0]
-    total = sum(result["sizes"].values())
-    print(f"GPT {result['params']:,} parameters, 2 ranks, stage 2, AdamW")
-    for name, size in sorted(result["sizes"].items()):
-        print(f"  {name:36s} {size:>12,d} bytes")
-    print(f"  {'total':36s} {total:>12,d} bytes ({total / 2**20:.1f} MiB; "
-          f"{total / result['params']:.2f} bytes per parameter)")
-    for label, times in (("save", result["saves"]), ("load", result["loads"])):
-        print(f"{label}: median {statistics.median(times):.3f} s over {len(times)} "
-              f"({', '.join(f'{t:.3f}' for t in times)})")
+        out = run_ranks(_run, 2, root, args.repeats, args.small, timeout=1800)[0]
+    print(f"GPT {out['params']:,} parameters, AdamW, 2 ranks (gloo, CPU, 1 thread each); "
+          f"median of {args.repeats}")
+    print(f"{'method':20s} {'GB':>6s} {'blocking s':>11s} {'total s':>8s} {'save GB/s':>10s} "
+          f"{'load s':>7s} {'load GB/s':>10s}")
+    for name, runs in out["results"].items():
+        med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+        gb = med["bytes"] / 1e9
+        print(f"{name:20s} {gb:6.2f} {med['blocking']:11.3f} {med['total']:8.3f} "
+              f"{gb / med['total']:10.2f} {med['load']:7.3f} {gb / med['load']:10.2f}")
 
 
 if __name__ == "__main__":

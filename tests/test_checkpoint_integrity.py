@@ -443,7 +443,8 @@ def test_locked_root_and_bad_names_are_refused_before_writing(tmp_path):
 def _save_while_another_saves(root: str) -> dict:
     """A real save (a forked copy of this one-rank job) paused just before its commit, and
     a second save into the same root meanwhile."""
-    save_module = importlib.import_module("zerolite.checkpoint.save")  # the module, not save()
+    # the module whose commit() a save calls (zerolite.checkpoint.commit.commit_checkpoint)
+    save_module = importlib.import_module("zerolite.checkpoint.commit")
     root = Path(root)
     model, opt, _ = build(CFG, stage=2)
     ready_r, ready_w = os.pipe()

@@ -45,6 +45,7 @@ from accelerate.optimizer import AcceleratedOptimizer
 from torch import nn
 
 import zerolite.checkpoint
+from zerolite.checkpoint.pending_save import PendingSave, finish_in_flight_everywhere
 from zerolite.config import ZeroConfig
 from zerolite.full_state_dict import full_state_dict
 from zerolite.optim.sharded_optimizer import ShardedOptimizer
@@ -102,6 +103,7 @@ class _ZeroMethods:
 
     zero_config: ZeroConfig
     _zero_sharded: list[tuple[nn.Module, ShardedOptimizer]]
+    pending_save: PendingSave | None  # the last save_state(async_save=True)'s
 
     def _sharded_optimizer(
         self: Any, parameters: Iterable[torch.Tensor] | None = None
@@ -177,6 +179,7 @@ class _ZeroMethods:
         output_dir: str | os.PathLike | None = None,
         *,
         overwrite: bool = False,
+        async_save: bool = False,
         **kwargs: Any,
     ) -> str:
         """Save models and sharded optimizers with `zerolite.checkpoint` (each rank its shard),
@@ -186,20 +189,36 @@ class _ZeroMethods:
         existing ``checkpoint_N`` is refused (as stock Accelerate does), and an explicit
         ``output_dir`` that already holds files is refused unless ``overwrite=True``.
 
+        Every save (and `load_state`) first waits for the previous asynchronous one, before
+        old checkpoints are pruned.
+
+        Args:
+            async_save: write the sharded checkpoints in the background
+                (``zerolite.checkpoint.save(..., blocking=False)``): training resumes once
+                each rank's tensors are copied into its staging area. Accelerate's own small
+                files are written at once. ``self.pending_save`` is the `PendingSave` of
+                the last model's checkpoint (with several models, each waits for the one
+                before: at most one save is in flight); ``pending_save.wait()`` returns once
+                it is committed.
+
         Raises:
             ValueError: the target folder exists (see above), before anything is written or
                 pruned.
+            zerolite.checkpoint.CheckpointError: the previous asynchronous save failed and
+                no ``wait()`` reported it.
         """
+        self._finish_pending_save()
         target = self._checkpoint_dir(output_dir, overwrite)
         # rank 0 has pruned old checkpoints before anyone creates the new one
         self.wait_for_everyone()
         target.mkdir(parents=True, exist_ok=True)
         schedulers = [getattr(s, "scheduler", s) for s in self._schedulers]
         for i, (model, opt) in enumerate(self._zero_sharded):
-            zerolite.checkpoint.save(
+            saved = zerolite.checkpoint.save(
                 target / f"zerolite_{i}", model, opt, schedulers=schedulers if i == 0 else (),
-                extra={"step": self.step}, overwrite=overwrite,
+                extra={"step": self.step}, overwrite=overwrite, blocking=not async_save,
             )
+            self.pending_save = saved if async_save else None
         save_accelerator_state(str(target), [], [], [], self._dataloaders, self.state.process_index,
                                self.step, None,
                                save_on_each_node=self.project_configuration.save_on_each_node)
@@ -211,8 +230,16 @@ class _ZeroMethods:
         self.wait_for_everyone()
         return str(target)
 
+    def _finish_pending_save(self: Any) -> None:
+        """Wait for this process's asynchronous save in flight, on every rank."""
+        if self._zero_sharded:
+            finish_in_flight_everywhere(self._zero_sharded[0][1].group)
+        self.pending_save = None
+
     def load_state(self: Any, input_dir: str | os.PathLike | None = None, **kwargs: Any) -> None:
-        """Load what `save_state` wrote, at any world size (all ranks must call)."""
+        """Load what `save_state` wrote, at any world size (all ranks must call); first
+        waits for an asynchronous `save_state` in flight."""
+        self._finish_pending_save()
         if input_dir is None:
             if not self.project_configuration.automatic_checkpoint_naming:
                 raise ValueError(
@@ -275,6 +302,7 @@ class ZeroAccelerator(_ZeroMethods, Accelerator):
         self._zero_sharded = []
         self._zero_models: dict[int, nn.Module] = {}
         self._zero_pending: tuple[Any, ...] = ()
+        self.pending_save = None
 
     def prepare(self, *args: Any, device_placement: list[bool] | None = None) -> Any:
         self._zero_pending = args
@@ -357,8 +385,9 @@ def setup(
     patched.scaler = None
     sharded = shard(model, optimizer, _materialise_on(accelerator, model, patched.zero_config))
     patched._zero_sharded = [*getattr(patched, "_zero_sharded", []), (model, sharded)]
+    patched.pending_save = getattr(patched, "pending_save", None)
     for name in ("_sharded_optimizer", "no_sync", "clip_grad_norm_", "backward", "get_state_dict",
-                 "_checkpoint_dir", "save_state", "load_state"):
+                 "_checkpoint_dir", "_finish_pending_save", "save_state", "load_state"):
         setattr(patched, name, types.MethodType(getattr(_ZeroMethods, name), accelerator))
     wrapped = _SkipAwareOptimizer(sharded, device_placement=False, scaler=None)
     accelerator._optimizers.append(wrapped)

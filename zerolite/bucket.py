@@ -22,9 +22,10 @@ from __future__ import annotations
 
 import torch
 
-from zerolite.collectives import Group, Pending
+from zerolite.collectives import Group, Pending, reduce_scatter_avg
 from zerolite.flat_buffer import FlatParamBuffer
-from zerolite.hybrid import reduce_scatter_avg_world
+from zerolite.hybrid import average_across_replicas
+from zerolite.owned_collectives import reduce_to_owners
 
 __all__ = ["GradBucket"]
 
@@ -56,7 +57,7 @@ class GradBucket:
         self.full_dtype = full_dtype
         self.keep_full = keep_full
         device = flat.data.device
-        n = flat.layout.shard_numel
+        n = flat.layout.shard_size(flat.rank)
         # 1-D, full_dtype, padded_numel: local gradients (None while not needed).
         self.full: torch.Tensor | None = (
             torch.zeros(flat.layout.padded_numel, dtype=full_dtype, device=device)
@@ -146,15 +147,22 @@ class GradBucket:
         send = full if full.dtype == self.shard_dtype else full.to(self.shard_dtype)
         if self.shard is None:
             self.shard = torch.empty(
-                self.flat.layout.shard_numel, dtype=self.shard_dtype, device=full.device
+                self.flat.layout.shard_size(self.flat.rank), dtype=self.shard_dtype,
+                device=full.device,
             )
             self.shard_is_zero = True
         # Reduce straight into the shard when it holds nothing yet.
         out = self.shard if self.shard_is_zero else torch.empty_like(self.shard)
         what = f"the reduce-scatter of gradient bucket {self.flat.index}"
-        self._pending = reduce_scatter_avg_world(
-            send, out, self.group, key=2 * self.flat.index, what=what
-        )
+        sizes = self.flat.layout.chunk_sizes  # whole-tensor ownership: uneven chunks
+        if sizes is None:
+            pending = reduce_scatter_avg(send, out, self.group, key=2 * self.flat.index, what=what)
+        else:
+            pending = reduce_to_owners(
+                send, out, sizes, self.group, key=2 * self.flat.index, what=what
+            )
+        # Hybrid sharding: then the mean across replica groups (no-op when flat).
+        self._pending = average_across_replicas(pending, out, self.group, what=what)
         self._result, self._sent = out, send
         self._reset_arrivals()
         self.unreduced = False

@@ -111,10 +111,12 @@ _ENV_FIELDS: dict[str, tuple[str, Callable[[str], Any], Any]] = {
     ),
     "collectives": ("ZEROLITE_COLLECTIVES", lambda s: s.strip().lower(), "auto"),
     "timeout_s": ("ZEROLITE_TIMEOUT_S", lambda s: _parse_number("timeout_s", s, float), 600.0),
+    "partition": ("ZEROLITE_PARTITION", lambda s: s.strip().lower(), "auto"),
     "shard_group_size": ("ZEROLITE_SHARD_GROUP_SIZE", lambda s: _parse_group_size(s), None),
 }
 
 COLLECTIVES = ("auto", "native", "point_to_point")
+PARTITIONS = ("flat", "tensor", "auto")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -176,6 +178,13 @@ class ZeroConfig:
             ``nn.Module.apply``) once its parameters have storage, instead of each
             module's own ``reset_parameters()``. It must draw from the default generator
             only, so every rank computes the same values (see `zerolite.meta_init`).
+        partition: how trained parameters are split over ranks (see `zerolite.tensor_layout`).
+            ``"flat"``: every flat buffer in equal 1-D shards (elementwise optimizers only).
+            ``"tensor"``: each parameter whole on one owner rank, which steps it in its own
+            shape, so any optimizer that steps tensor by tensor works (Muon, Adafactor).
+            ``"auto"`` (default): ``"flat"`` when every optimizer is elementwise (exactly
+            what zerolite did before this option), ``"tensor"`` otherwise. Stages 1-2.
+            Env: ``ZEROLITE_PARTITION``.
 
     Raises:
         ValueError: a field (or its environment variable) holds an invalid value; the
@@ -198,6 +207,7 @@ class ZeroConfig:
     timeout_s: float = _UNSET
     shard_group_size: int | str | None = _UNSET
     init_fn: Callable[[torch.nn.Module], None] | None = None
+    partition: str = _UNSET
     # Fields with environment variables that took their default (no argument, no variable):
     # integrations may fill those from their own settings (Accelerate's mixed_precision).
     _defaulted: frozenset[str] = dataclasses.field(
@@ -323,6 +333,11 @@ class ZeroConfig:
             raise ValueError(
                 f"ZeroConfig.collectives: got {self.collectives!r}; allowed: "
                 + ", ".join(repr(c) for c in COLLECTIVES)
+            )
+        if self.partition not in PARTITIONS:
+            raise ValueError(
+                f"ZeroConfig.partition: got {self.partition!r}; allowed: "
+                + ", ".join(repr(c) for c in PARTITIONS)
             )
         t = self.timeout_s
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t <= 0:

@@ -19,6 +19,7 @@ from torch import nn
 
 from zerolite.collectives import Group, Pending, all_gather_inplace
 from zerolite.layout import FlatLayout, ParamPiece
+from zerolite.owned_collectives import gather_from_owners
 
 __all__ = ["FlatParamBuffer"]
 
@@ -32,6 +33,8 @@ class FlatParamBuffer:
         rank, world_size: this rank and the number of shards.
         dtype, device: of the buffer; parameters are copied (cast) into it.
         index: position of this buffer among all of the model's buffers.
+        owners: per parameter, the rank holding it whole (`zerolite.tensor_layout`);
+            None for equal 1-D shards.
     """
 
     def __init__(
@@ -44,12 +47,13 @@ class FlatParamBuffer:
         dtype: torch.dtype,
         device: torch.device,
         index: int,
+        owners: tuple[int, ...] | None = None,
     ) -> None:
         self.params = params
         self.names = names
         self.index = index
         self.rank = rank
-        self.layout = FlatLayout(tuple(p.numel() for p in params), world_size)
+        self.layout = FlatLayout(tuple(p.numel() for p in params), world_size, owners)
         self.shapes = [p.shape for p in params]
         # 1-D, dtype, padded_numel elements; padding is zero and never read.
         self.data = torch.zeros(self.layout.padded_numel, dtype=dtype, device=device)
@@ -118,7 +122,10 @@ class FlatParamBuffer:
     def all_gather(self, group: Group, what: str = "") -> Pending:
         """Launch the in-place all-gather of ``data`` from every rank's chunk."""
         what = what or f"the all-gather of flat buffer {self.index}"
+        sizes = self.layout.chunk_sizes
         # even: reduce-scatters
+        if sizes is not None:  # whole-tensor ownership: from each owner
+            return gather_from_owners(self.data, sizes, group, key=2 * self.index + 1, what=what)
         return all_gather_inplace(self.data, group, key=2 * self.index + 1, what=what)
 
     def reshard(self) -> None:

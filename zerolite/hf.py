@@ -23,6 +23,8 @@ Accelerate integration (`zerolite.accelerate.ZeroAccelerator`) plus Trainer's fi
   `zerolite.checkpoint` (fp32 masters and optimizer state, every rank its own file) instead
   of ``optimizer.pt`` (rank 0's pickle, which is wrong for sharded state). Resuming works at
   any world size or stage; the data position comes from ``trainer_state.json`` as usual.
+  ``ZeroTrainer(..., async_save=True)`` writes ``zerolite/`` in the background
+  (``zerolite.checkpoint.save(..., blocking=False)``).
 - ``args.bf16``: bf16 parameters with fp32 master shards; ``args.fp16``: fp16 parameters
   with zerolite's loss scaler (CUDA only).
 
@@ -48,6 +50,7 @@ from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
 
 import zerolite.checkpoint
 from zerolite.accelerate import ZeroAccelerator, check_launch
+from zerolite.checkpoint.pending_save import finish_in_flight_everywhere
 from zerolite.config import ZeroConfig
 from zerolite.full_state_dict import full_state_dict
 from zerolite.optim.contract import check_optimizer
@@ -178,13 +181,20 @@ class ZeroTrainerMixin:
     Args:
         zero_config: the `ZeroConfig`; ``None`` means stage 2 (or ``ZEROLITE_STAGE``) with
             ``param_dtype`` from ``args.bf16`` / ``args.fp16`` (`zero_config_for_args`).
+        async_save: write ``checkpoint-N/zerolite/`` in the background
+            (``zerolite.checkpoint.save(..., blocking=False)``): training resumes once each
+            rank's shard is copied into its staging area; the next checkpoint (or the end of
+            the process) waits for it. Trainer's other files are written as usual.
         *args, **kwargs: the Trainer's own arguments, unchanged.
     Raises:
         ValueError: at construction, on every rank, for Trainer arguments zerolite cannot
             honour (``deepspeed``, ``fsdp``, ``parallelism_config``, ``torch_compile``,
             ``auto_find_batch_size``, ``fp16_full_eval``, ``bf16_full_eval``, several GPUs
             per process, a model spread over devices), naming the argument; a
-            ``zero_config`` that contradicts ``args``.
+            ``zero_config`` that contradicts ``args``; ``async_save`` with
+            ``args.save_total_limit=1`` (Trainer deletes the previous checkpoint right
+            after starting the next, so a crash during the background write would leave
+            no complete one).
         TypeError: the optimizer (``args.optim``, ``optimizers=`` or
             ``optimizer_cls_and_kwargs``) is not elementwise, so it cannot step shards.
     """
@@ -198,9 +208,22 @@ class ZeroTrainerMixin:
     state: Any
     zero_config: ZeroConfig
 
-    def __init__(self, *args: Any, zero_config: ZeroConfig | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self, *args: Any, zero_config: ZeroConfig | None = None, async_save: bool = False,
+        **kwargs: Any,
+    ) -> None:
+        if not isinstance(async_save, bool):
+            raise TypeError(f"async_save must be a bool, got {async_save!r}")
         self._zero_requested = zero_config
+        self._async_save = async_save
         super().__init__(*args, **kwargs)
+        if async_save and self.args.save_total_limit == 1:
+            raise ValueError(
+                "async_save=True with save_total_limit=1: Trainer deletes the previous "
+                "checkpoint right after starting the next save, so a crash during the "
+                "background write would leave no complete checkpoint; use save_total_limit "
+                ">= 2 (or None), or async_save=False"
+            )
         self._refuse_model_layout()
         self._check_optimizer_choice()
 
@@ -284,6 +307,7 @@ class ZeroTrainerMixin:
             self._sharded_optimizer(),
             extra={"global_step": self.state.global_step},
             overwrite=True,
+            blocking=not self._async_save,
         )
         if self.args.should_save:
             torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
@@ -304,8 +328,10 @@ class ZeroTrainerMixin:
         stage, then the scheduler (all ranks call, after train() has sharded the model)."""
         if checkpoint is None:
             return
+        optimizer = self._sharded_optimizer()
+        finish_in_flight_everywhere(optimizer.group)  # a save of this process in flight
         zerolite.checkpoint.load(
-            Path(checkpoint) / ZERO_CHECKPOINT_DIR, self.model, self._sharded_optimizer()
+            Path(checkpoint) / ZERO_CHECKPOINT_DIR, self.model, optimizer
         )
         scheduler_file = os.path.join(checkpoint, SCHEDULER_NAME)
         if os.path.isfile(scheduler_file):

@@ -13,7 +13,7 @@ change:
 
 - Gradients: each bucket is reduce-scattered within the shard group (the average over
   its k ranks), then every shard is all-reduced across its replica group and divided by
-  R (`reduce_scatter_avg_world`): the average over all N ranks, as DDP. Only Ψ/k
+  R (`average_across_replicas`): the average over all N ranks, as DDP. Only Ψ/k
   elements per rank cross the slow link, 2 (R-1)/R Ψ/k per step.
 - Agreement: whatever all N ranks must agree on (the plan at `shard()`, the step's
   gradient flags and lockstep counters, checkpoints, rank 0's initial values) runs over
@@ -32,13 +32,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from zerolite.collectives import Group, Pending, all_reduce, reduce_scatter_avg
+from zerolite.collectives import Group, Pending, all_reduce
 from zerolite.config import ZeroConfig
 
 __all__ = [
     "LinkedGroup",
     "data_parallel_group",
-    "reduce_scatter_avg_world",
+    "average_across_replicas",
     "shard_group_size",
     "sharding_group",
 ]
@@ -159,16 +159,17 @@ def sharding_group(world: Group, k: int | None, config: ZeroConfig) -> Group:
     return group
 
 
-def reduce_scatter_avg_world(
-    full: torch.Tensor, out: torch.Tensor, group: Group, *, key: int, what: str
+def average_across_replicas(
+    inner: Pending, out: torch.Tensor, group: Group, *, what: str
 ) -> Pending:
-    """`reduce_scatter_avg` over ``group``, then (hybrid) the mean of ``out`` across
-    ``group.replicas``: ``out`` is the average over every data-parallel rank.
+    """Hybrid: once ``inner`` (this shard group's reduction into ``out``, the average over
+    its ranks) completes, the mean of ``out`` across ``group.replicas``: ``out`` is then the
+    average over every data-parallel rank. Returns ``inner`` itself when ``group`` is flat.
 
-    Args and ranks as `reduce_scatter_avg`. The replica all-reduce runs in ``out``'s dtype
-    (``ZeroConfig.grad_dtype``: what crosses the slow link) when the handle is waited on.
+    Every rank of the replica group must call, in the same order relative to zerolite's
+    other exchanges. The all-reduce runs in ``out``'s dtype (``ZeroConfig.grad_dtype``:
+    what crosses the slow link) when the returned handle is waited on.
     """
-    inner = reduce_scatter_avg(full, out, group, key=key, what=what)
     replicas = group.replicas
     if replicas is None or replicas.size == 1:
         return inner

@@ -6,6 +6,12 @@ world size ``N`` so that it splits into ``N`` equal, contiguous shards::
     |  p0  |    p1    | p2 |pad|          padded_numel = N * shard_numel
     |  rank 0 shard  |  rank 1 shard |     padding <= N - 1 elements
 
+With ``owners`` (``ZeroConfig.partition="tensor"``, see `zerolite.tensor_layout`) each
+parameter lies whole in its owner's shard instead: parameters are ordered by owner, shard
+``r`` is exactly rank ``r``'s parameters (uneven, possibly empty), and nothing is padded::
+
+    |  p0 (rank 0)  | p1 (rank 0) |  p2 (rank 2)  |     rank 1's shard is empty
+
 Everything that must agree across ranks (which elements a rank owns, which piece of
 which parameter that is) is computed here, once, from sizes alone.
 """
@@ -46,10 +52,13 @@ class FlatLayout:
     Args:
         numels: element count of each parameter, in buffer order (each >= 1).
         world_size: number of shards ``N`` (>= 1).
+        owners: per parameter, the rank whose shard holds it whole (non-decreasing);
+            None for equal, padded shards.
     """
 
     numels: tuple[int, ...]
     world_size: int
+    owners: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
@@ -62,17 +71,41 @@ class FlatLayout:
             total += n
         object.__setattr__(self, "offsets", tuple(offsets))
         object.__setattr__(self, "numel", total)
+        if self.owners is not None:
+            owners = self.owners
+            if len(owners) != len(self.numels) or any(
+                not 0 <= o < self.world_size for o in owners
+            ) or list(owners) != sorted(owners):
+                raise ValueError(
+                    f"owners must give each of {len(self.numels)} parameters a rank in "
+                    f"[0, {self.world_size}), in non-decreasing order; got {owners}"
+                )
+            sizes = [0] * self.world_size
+            for o, n in zip(owners, self.numels):
+                sizes[o] += n
+            object.__setattr__(self, "chunk_sizes", tuple(sizes))
 
     offsets: tuple[int, ...] = dataclasses.field(init=False)
     numel: int = dataclasses.field(init=False)  # sum of numels, without padding
+    # With owners: elements of each rank's shard; None for equal shards.
+    chunk_sizes: tuple[int, ...] | None = dataclasses.field(init=False, default=None)
 
     @property
     def shard_numel(self) -> int:
-        """Elements per rank: ceil(numel / N)."""
+        """Elements per rank: ceil(numel / N); with owners, the largest rank's."""
+        if self.chunk_sizes is not None:
+            return max(self.chunk_sizes)
         return -(-self.numel // self.world_size)
+
+    def shard_size(self, rank: int) -> int:
+        """Elements of ``rank``'s shard."""
+        lo, hi = self.shard_range(rank)
+        return hi - lo
 
     @property
     def padded_numel(self) -> int:
+        if self.chunk_sizes is not None:
+            return self.numel
         return self.shard_numel * self.world_size
 
     @property
@@ -89,6 +122,9 @@ class FlatLayout:
         """[start, end) of ``rank``'s shard in the buffer (it may cover padding)."""
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} is outside [0, {self.world_size})")
+        if self.chunk_sizes is not None:
+            start = sum(self.chunk_sizes[:rank])
+            return start, start + self.chunk_sizes[rank]
         start = rank * self.shard_numel
         return start, start + self.shard_numel
 

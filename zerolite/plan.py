@@ -17,10 +17,12 @@ from torch import nn
 from zerolite.config import ZeroConfig
 from zerolite.layout import size_partition
 from zerolite.meta_init import check_meta_build, check_nothing_on_meta, materialize_device
-from zerolite.optim.contract import check_optimizer
+from zerolite.optim.contract import check_optimizer, check_tensor_optimizer
+from zerolite.optim.multi import class_name, inner_optimizers
 from zerolite.optim.sharded_optimizer import ShardedOptimizer
 from zerolite.shard_state import state_of
 from zerolite.stages import STAGES
+from zerolite.tensor_layout import resolve_partition
 from zerolite.units import Unit, find_units
 
 __all__ = ["ShardPlan", "plan_layout"]
@@ -41,6 +43,8 @@ class ShardPlan:
         default_factory=list
     )
     on_meta: bool = False  # built under torch.device("meta"): materialised by zerolite.meta_init
+    # "flat" (equal 1-D shards) or "tensor" (whole parameters to owners: zerolite.tensor_layout)
+    partition: str = "flat"
 
     @property
     def all_flat_params(self) -> list[list[tuple[str, nn.Parameter]]]:
@@ -62,8 +66,9 @@ class ShardPlan:
         groups, every parameter (sharded or not) and every buffer, the flat buffers, the units."""
         lines = [
             f"config: stage={config.stage} param_dtype={config.param_dtype} "
-            f"reduce_dtype={config.reduce_dtype} bucket_size_mb={config.bucket_size_mb}",
-            f"optimizer: {type(optimizer).__qualname__} with {len(optimizer.param_groups)} groups",
+            f"reduce_dtype={config.reduce_dtype} bucket_size_mb={config.bucket_size_mb} "
+            f"partition={self.partition}",
+            f"optimizer: {class_name(optimizer)} with {len(optimizer.param_groups)} groups",
         ]
         if self.on_meta:
             init_fn = config.init_fn
@@ -117,8 +122,22 @@ def plan_layout(
             "this model was already sharded by zerolite.shard(); shard() may be called once per "
             "model (build a new model and optimizer to shard again)"
         )
-    check_optimizer(optimizer, config.elementwise_optimizers)
+    partition = resolve_partition(config, inner_optimizers(optimizer))
+    for inner in inner_optimizers(optimizer):
+        if partition == "flat":
+            check_optimizer(inner, config.elementwise_optimizers)
+        else:
+            check_tensor_optimizer(inner)
     policy = STAGES[config.stage]
+    if partition == "tensor" and policy.shards_parameters:
+        names = ", ".join(type(o).__name__ for o in inner_optimizers(optimizer))
+        raise ValueError(
+            f"ZeroConfig.partition={config.partition!r} resolves to whole-tensor ownership (for "
+            f"{names}), which zerolite supports at stages 1-2 only: stage 3 gathers each unit "
+            "from equal 1-D shards of its parameters, which an owner-by-tensor layout does not "
+            "have. Use stage=2 with partition='tensor' (gradients and optimizer state stay "
+            "sharded), or stage=3 with an elementwise optimizer and partition='flat'"
+        )
     if not policy.shards_optimizer_state:
         raise ValueError(
             "ZeroConfig.stage=0 means plain DDP and is only meaningful to the memory estimator; "
@@ -195,14 +214,15 @@ def plan_layout(
         return ShardPlan(
             device=device, flat_params=flat_params, group_of=group_of, frozen=frozen,
             units=units, frozen_flat_params=[u.frozen for u in units if u.frozen],
-            on_meta=on_meta,
+            on_meta=on_meta, partition=partition,
         )
     itemsize = torch.empty(0, dtype=config.param_dtype).element_size()
     ordered = list(reversed(managed))  # roughly the order in which backward yields gradients
     runs = size_partition([p.numel() * itemsize for _, p in ordered], config.bucket_bytes)
     flat_params = [[ordered[i] for i in run] for run in runs]
     return ShardPlan(
-        device=device, flat_params=flat_params, group_of=group_of, frozen=frozen, on_meta=on_meta
+        device=device, flat_params=flat_params, group_of=group_of, frozen=frozen, on_meta=on_meta,
+        partition=partition,
     )
 
 

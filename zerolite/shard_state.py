@@ -57,8 +57,9 @@ class Piece:
         param_start, param_end: the piece's element range in the flattened parameter.
         flat: the flat buffer holding the parameter.
         offsets: where the piece lies in this rank's shard of ``flat``.
-        master: fp32, 1-D, ``param_end - param_start`` elements: the piece's master,
-            a tensor of the optimizer's param groups.
+        master: fp32, ``param_end - param_start`` elements: the piece's master, a tensor
+            of the optimizer's param groups; 1-D, or in the parameter's shape under
+            whole-tensor ownership (then ``param_start == 0``, ``param_end == numel``).
         state: the optimizer's state of ``master`` (``{}`` before its first step).
     """
 

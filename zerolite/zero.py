@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import weakref
+from collections.abc import Sequence
 from typing import cast
 
 import torch
@@ -42,11 +43,13 @@ from zerolite.meta_init import (
 )
 from zerolite.model_changes import guard_conversions, install_no_sync
 from zerolite.optim.master import MasterShard
+from zerolite.optim.multi import MultiOptimizer
 from zerolite.optim.repoint import repoint_optimizer
 from zerolite.optim.sharded_optimizer import ShardedOptimizer
 from zerolite.plan import ShardPlan, plan_layout
 from zerolite.shard_state import ShardState, pieces_of, register
 from zerolite.stages import STAGES
+from zerolite.tensor_layout import assign_owners
 from zerolite.unit_scheduler import UnitScheduler
 from zerolite.units import Unit
 
@@ -57,7 +60,7 @@ logger = logging.getLogger(__name__)
 
 def shard(
     model: nn.Module,
-    optimizer: torch.optim.Optimizer,
+    optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer],
     config: ZeroConfig | None = None,
 ) -> ShardedOptimizer:
     """Shard ``optimizer``'s state (and, in stage 2, gradients) across data-parallel ranks.
@@ -78,9 +81,12 @@ def shard(
 
     Args:
         model: any ``nn.Module`` whose parameters are on one device (``meta`` included).
-        optimizer: the user's optimizer over (some of) ``model``'s parameters; an
-            elementwise class (Adam, AdamW, SGD, Adagrad, RMSprop, Adamax, NAdam, RAdam)
-            or one declared in ``config.elementwise_optimizers``.
+        optimizer: the user's optimizer over (some of) ``model``'s parameters, or a list of
+            optimizers over disjoint parameters (e.g. ``[muon, adamw]``), stepped, clipped,
+            saved and loaded together (`zerolite.optim.multi`). With ``partition="flat"``
+            each must be elementwise (Adam, AdamW, SGD, Adagrad, RMSprop, Adamax, NAdam,
+            RAdam, or declared in ``config.elementwise_optimizers``); with ``"tensor"``
+            (what ``"auto"`` picks otherwise) any optimizer stepping each tensor on its own.
         config: a `ZeroConfig`; ``None`` means ``ZeroConfig()`` (which reads ``ZEROLITE_*``
             environment variables).
     Returns:
@@ -104,6 +110,8 @@ def shard(
     k: int | None = None
     # Raises on every rank if any rank failed or ranks describe different plans.
     with agreed("zerolite.shard()", world) as lines:
+        if isinstance(optimizer, (list, tuple)):
+            optimizer = MultiOptimizer(optimizer)
         k = shard_group_size(config, world.size)
         lines.append(f"shard_group_size: {k or world.size} of {world.size} ranks")
         plan = plan_layout(model, optimizer, config)
@@ -111,7 +119,10 @@ def shard(
     group = sharding_group(world, k, config)
     digest = hashlib.sha256("\n".join(lines).encode()).hexdigest()
     with phase_events.phase("build"):
-        sharded = _build(model, optimizer, config, group, cast(ShardPlan, plan), digest)
+        sharded = _build(
+            model, cast(torch.optim.Optimizer, optimizer), config, group, cast(ShardPlan, plan),
+            digest,
+        )
     phase_events.built(sharded)
     return sharded
 
@@ -125,11 +136,15 @@ def _build(
     layout_digest: str,
 ) -> ShardedOptimizer:
     policy = STAGES[config.stage]
+    # Whole-tensor ownership: each buffer's parameters reordered by owner (before any buffer
+    # exists: the order is the layout).
+    owners = assign_owners(plan, group.size) if plan.partition == "tensor" else None
     all_flat_params = plan.all_flat_params
     unit_buffers = plan.unit_buffers()
 
     def make_flat(index: int) -> FlatParamBuffer:
-        return _bound_flat(all_flat_params[index], index, group, config, plan.device)
+        owned = owners[index] if owners is not None and index < len(owners) else None
+        return _bound_flat(all_flat_params[index], index, group, config, plan.device, owned)
 
     meta_build = None
     if plan.on_meta:
@@ -164,6 +179,8 @@ def _build(
         )
     flats, frozen_flats = all_flats[: len(plan.flat_params)], all_flats[len(plan.flat_params) :]
     masters = [MasterShard(flat) for flat in flats]
+    if isinstance(optimizer, MultiOptimizer):
+        optimizer.bind()
     repoint_optimizer(
         optimizer, pieces_of(masters, optimizer.state), plan.group_of,
         [p for _, p in plan.frozen],
@@ -220,9 +237,10 @@ def _build(
     numel = sum(flat.numel for flat in flats)
     if group.world.rank == 0:
         logger.info(
-            "zerolite: stage %d sharded %d parameters (%d elements) into %d flat buffers across "
-            "%d ranks",
+            "zerolite: stage %d (partition %s) sharded %d parameters (%d elements) into %d flat "
+            "buffers across %d ranks",
             config.stage,
+            plan.partition,
             sum(len(f.params) for f in flats),
             numel,
             len(flats),
@@ -238,6 +256,7 @@ def _bound_flat(
     group: Group,
     config: ZeroConfig,
     device: torch.device,
+    owners: tuple[int, ...] | None = None,
 ) -> FlatParamBuffer:
     """A flat buffer holding ``bucket``'s parameters, bound to them (their values copied in)."""
     flat = FlatParamBuffer(
@@ -248,6 +267,7 @@ def _bound_flat(
         dtype=config.param_dtype,
         device=device,
         index=index,
+        owners=owners,
     )
     flat.bind()
     return flat

@@ -1,6 +1,7 @@
 """Sharded safetensors checkpoints: complete, topology-agnostic, atomic, verified.
 
-- `save(path, model, optimizer, *, schedulers=(), extra=None, overwrite=False)`
+- `save(path, model, optimizer, *, schedulers=(), extra=None, overwrite=False, blocking=True)`;
+  ``blocking=False`` returns a `PendingSave` and writes in the background
 - `load(path, model, optimizer, *, schedulers=())` -> extra, at any world size or stage
 - `latest(root)` -> the newest complete checkpoint under ``root``
 - `consolidate(path, out_file, dtype=None)` -> one plain safetensors file
@@ -13,11 +14,13 @@ The format is described in `zerolite.checkpoint.format`.
 from zerolite.checkpoint.consolidate import consolidate, inspect, verify
 from zerolite.checkpoint.format import CheckpointError
 from zerolite.checkpoint.load import load
+from zerolite.checkpoint.pending_save import PendingSave
 from zerolite.checkpoint.pretrained import load_pretrained
 from zerolite.checkpoint.save import latest, save
 
 __all__ = [
     "CheckpointError",
+    "PendingSave",
     "consolidate",
     "inspect",
     "latest",

@@ -31,44 +31,72 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import json
 import os
 import re
 import shutil
 import signal
 import socket
+import time
 import uuid
 import warnings
 from pathlib import Path
+from typing import Any
 
-from zerolite.checkpoint.format import LATEST, CheckpointError, checkpoint_name_problem
+from zerolite.checkpoint.format import (
+    INDEX,
+    INDEX_DIGEST,
+    LATEST,
+    CheckpointError,
+    checkpoint_name_problem,
+    index_digest_text,
+)
 
 __all__ = [
     "FAULT_ENV",
+    "HOLD_ENV",
     "LOCK_FILE",
+    "MARKER",
     "SaveLock",
     "commit",
+    "commit_checkpoint",
     "fault_point",
     "fsync_dir",
+    "hold_point",
     "read_pointer",
     "recover",
     "remove_leftovers",
     "write_atomic",
 ]
 
-# Test-only fault injection: "PHASE:RANK" makes that rank SIGKILL itself at PHASE. Phases:
-# "writing" (half of a shard file written), "before_rename" (the new directory complete),
-# the overwrite steps "overwrite_copied", "overwrite_pointed_to_copy", "overwrite_moved_aside",
-# "before_latest" (renamed into place), "before_cleanup" (pointer moved), and recovery's
-# "restore_copied", "restore_renamed".
+# Test-only fault injection: "PHASE:RANK" (or "PHASE:RANK,RANK...") makes those ranks SIGKILL
+# themselves at PHASE. Phases: "writing" (half of a shard file written), "before_rename" (the
+# new directory complete), the overwrite steps "overwrite_copied", "overwrite_pointed_to_copy",
+# "overwrite_moved_aside", "before_latest" (renamed into place), "before_cleanup" (pointer
+# moved), and recovery's "restore_copied", "restore_renamed".
 FAULT_ENV = "ZEROLITE_CHECKPOINT_FAULT"
+# Test-only: "PHASE:FILE" makes every rank wait at PHASE ("writing": before a shard file is
+# opened) until FILE exists, so a test can act while an asynchronous save is in flight.
+HOLD_ENV = "ZEROLITE_CHECKPOINT_HOLD"
 LOCK_FILE = ".zerolite-save.lock"
 _OLD = re.compile(r"\.(.+)\.old-[0-9a-f]{32}")
 _TEMPORARY = re.compile(r"\..+\.(tmp|old|gone)-[0-9a-f]{32}")
+# An asynchronous save's completion markers (`zerolite.checkpoint.markers`), and their
+# write_atomic temporaries.
+MARKER = re.compile(r"\.+.+\.[0-9a-f]{32}\.r\d+\.(done|error|verdict)(\.tmp)?")
 
 
 def fault_point(phase: str, rank: int) -> None:
-    if os.environ.get(FAULT_ENV) == f"{phase}:{rank}":
+    spec = os.environ.get(FAULT_ENV, "")
+    name, _, ranks = spec.partition(":")
+    if name == phase and str(rank) in ranks.split(","):
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def hold_point(phase: str) -> None:
+    name, _, release = os.environ.get(HOLD_ENV, "").partition(":")
+    while name == phase and not os.path.exists(release):
+        time.sleep(0.01)
 
 
 def fsync_dir(path: Path) -> None:
@@ -169,6 +197,24 @@ def commit(tmp: Path, path: Path, token: str) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
+def commit_checkpoint(
+    path: Path, tmp: Path, index: dict[str, Any], records: list[dict[str, Any]],
+    overwrite: bool, token: str,
+) -> None:
+    """Rank 0, every shard file in ``tmp`` complete: write ``index`` with ``records`` (every
+    rank's file entry, by rank) and its checksum (last: it seals the index), put ``tmp``
+    in place as ``path`` (`commit`) and remove leftovers of earlier saves."""
+    index["files"] = records
+    data = json.dumps(index, indent=1).encode()
+    write_atomic(tmp / INDEX, data)
+    write_atomic(tmp / INDEX_DIGEST, index_digest_text(data).encode())
+    fsync_dir(tmp)
+    if path.exists() and not overwrite:
+        raise ValueError(f"checkpoint path {path} appeared while saving; not replaced")
+    commit(tmp, path, token)
+    remove_leftovers(path.parent)
+
+
 def recover(root: Path) -> None:
     """Finish what an overwrite interrupted by a crash left in ``root`` (module docstring):
     every old copy whose checkpoint is missing is put back, and ``latest`` names a plain
@@ -196,11 +242,15 @@ def recover(root: Path) -> None:
 
 
 def remove_leftovers(root: Path) -> None:
-    """Remove hidden temporaries of earlier saves in ``root``, except what ``latest`` names."""
+    """Remove hidden temporaries of earlier saves in ``root``, except what ``latest`` names,
+    and completion markers that crashed asynchronous saves left (each is read before the
+    next save of its job starts, so any found here is stale)."""
     keep = _named(root)
     for entry in root.iterdir():
         if _TEMPORARY.fullmatch(entry.name) and entry.name != keep and entry.is_dir():
             shutil.rmtree(entry, ignore_errors=True)
+        elif MARKER.fullmatch(entry.name) and entry.is_file():
+            entry.unlink(missing_ok=True)
 
 
 class SaveLock:

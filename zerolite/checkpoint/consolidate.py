@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import os
-import struct
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -35,15 +34,9 @@ from zerolite.checkpoint.format import (
     model_key,
     read_index,
 )
+from zerolite.checkpoint.shard_writer import SAFETENSORS_DTYPE, as_bytes, safetensors_header
 
 __all__ = ["consolidate", "inspect", "verify"]
-
-_SAFETENSORS_DTYPE = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-    torch.bool: "BOOL",
-}
-
 
 def verify(path: str | os.PathLike) -> dict[str, Any]:
     """Check that every shard file exists with the size and sha256 the index records.
@@ -118,7 +111,7 @@ def _entries(
 
 
 def _from_safetensors(code: str) -> torch.dtype:
-    for dtype, c in _SAFETENSORS_DTYPE.items():
+    for dtype, c in SAFETENSORS_DTYPE.items():
         if c == code:
             return dtype
     raise CheckpointError(f"unsupported safetensors dtype {code}")
@@ -182,24 +175,17 @@ def consolidate(
     path, out_file = Path(path), Path(out_file)
     index = verify(path)
     entries = _entries(path, index, dtype)
-    header: dict[str, Any] = {}
+    slots = []
     offset = 0
     for name, shape, out_dtype, _ in entries:
         size = _numel(shape) * torch.empty(0, dtype=out_dtype).element_size()
-        header[name] = {
-            "dtype": _SAFETENSORS_DTYPE[out_dtype],
-            "shape": shape,
-            "data_offsets": [offset, offset + size],
-        }
+        slots.append((name, out_dtype, shape, offset, offset + size))
         offset += size
     aliases = _aliases(index)
-    header["__metadata__"] = {"format": "pt", "aliases": json.dumps(aliases)}
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)
+    head = safetensors_header(slots, {"format": "pt", "aliases": json.dumps(aliases)})
     tmp = out_file.with_name(f".{out_file.name}.tmp")
     with open(tmp, "wb") as f:
-        f.write(struct.pack("<Q", len(raw)))
-        f.write(raw)
+        f.write(head)
         for done, (name, shape, out_dtype, kind) in enumerate(entries, 1):
             if kind in ("param", "frozen"):
                 source = aliases.get(name, name)
@@ -208,7 +194,7 @@ def consolidate(
                 with safe_open(path / index["files"][0]["file"], framework="pt") as src:
                     tensor = src.get_tensor(model_key(aliases.get(name, name)))
                 tensor = tensor.to(out_dtype).reshape(-1)
-            f.write(memoryview(tensor.contiguous().view(torch.uint8).numpy()))
+            f.write(as_bytes(tensor.contiguous()))
             del tensor
             if progress is not None:
                 progress(done, len(entries), name)
@@ -225,5 +211,5 @@ def _check_written(out_file: Path, entries: list[tuple[str, list[int], torch.dty
         for name, shape, out_dtype, _ in entries:
             if name not in keys or list(f.get_slice(name).get_shape()) != shape:
                 raise CheckpointError(f"{out_file}: {name!r} did not come out as written")
-            if f.get_slice(name).get_dtype() != _SAFETENSORS_DTYPE[out_dtype]:
+            if f.get_slice(name).get_dtype() != SAFETENSORS_DTYPE[out_dtype]:
                 raise CheckpointError(f"{out_file}: {name!r} has the wrong dtype")

@@ -43,6 +43,7 @@ from zerolite.checkpoint.schedulers import apply_schedulers, plan_schedulers, re
 from zerolite.collectives import all_gather_bytes
 from zerolite.consensus import agreed
 from zerolite.meta_init import mark_loaded
+from zerolite.optim.multi import class_name
 from zerolite.optim.sharded_optimizer import ShardedOptimizer, require_sharded_optimizer
 
 __all__ = ["load"]
@@ -70,7 +71,7 @@ def _check_model(index: dict[str, Any], opt: ShardedOptimizer) -> None:
                 f"parameter {name!r}: checkpoint shape {saved[name]['shape']}, model shape "
                 f"{list(shape)}"
             )
-    cls = f"{type(opt.optimizer).__module__}.{type(opt.optimizer).__qualname__}"
+    cls = class_name(opt.optimizer)
     if index["optimizer"]["class"] != cls:
         raise CheckpointError(
             f"checkpoint was saved with optimizer {index['optimizer']['class']}, this one is {cls}"
@@ -115,6 +116,13 @@ class _RangeReader:
         # otherwise keep alive -- the saved shard's size, not this rank's piece.
         parts: list[torch.Tensor] = []
         covered = start
+        for file, s, e in self.ranges[name]:
+            if (s, e) == (start, end):  # saved as this very piece: whole, in its saved shape
+                with safe_open(self.path / file, framework="pt") as f:
+                    key = key_of(name, s, e)
+                    if key not in f.keys():
+                        raise CheckpointError(f"{self.path / file}: no tensor {key!r}")
+                    return f.get_tensor(key).clone()
         for file, s, e in sorted(self.ranges[name], key=lambda r: r[1]):
             lo, hi = max(start, s), min(end, e)
             if lo >= hi:
@@ -146,12 +154,16 @@ def _read_rank_state(
     out = []
     for piece in opt.shard_state.pieces():
         name, s, e = piece.name, piece.param_start, piece.param_end
-        values = reader.read(master_key, name, s, e).float()
+        shape = piece.master.shape  # 1-D, or the parameter's under whole-tensor ownership
+        values = reader.read(master_key, name, s, e).float().view(shape)
         state = {}
         for key, scalar in keys.get(name, {}).items():
-            state[key] = reader.read(
+            value = reader.read(
                 lambda n, a, b, k=key: state_key(k, n, a, b), name, s, e, scalar=scalar
             )
+            # Per-element state is saved flat; state of its own shape comes back as saved.
+            per_element = not scalar and value.dim() == 1 and value.numel() == e - s
+            state[key] = value.view(shape) if per_element else value
         out.append((piece.master, values, state))
     return out
 

@@ -213,7 +213,8 @@ def _plan(
         key = keys[id(piece.flat)][piece.index]
         if key is not None:
             values = _read_range(where[key][0], key, piece.param_start, piece.param_end)
-            plan.append((dest, values.to(dest.dtype)))
+            # A master owned whole (partition="tensor") has its parameter's shape.
+            plan.append((dest, values.to(dest.dtype).view(dest.shape)))
     in_state_dict = set(state_dict_names(model))
     for name, tensor in model_only_tensors(model, opt).items():
         key = source(name, tensor)

@@ -2,7 +2,8 @@
 
 The sequence, and what a crash at each point leaves behind:
 
-1. Every rank validates (the directory name, ``extra`` is JSON, the target does not
+1. Every rank waits for its asynchronous save in flight, if any, and validates (the
+   directory name, ``extra`` is JSON, the target does not
    exist unless ``overwrite``) and the ranks agree. Rank 0 then takes the root's save
    lock, finishes what an earlier crashed overwrite left
    (`zerolite.checkpoint.commit.recover`) and checks the target again; its verdict is
@@ -18,6 +19,10 @@ The sequence, and what a crash at each point leaves behind:
 4. Leftover hidden directories of earlier, interrupted saves in the same root are
    removed (never the one ``latest`` names), and the lock is released.
 
+``save(..., blocking=False)`` copies each rank's tensors into its staging area after
+step 1 and runs steps 2-4 in a background thread, the ranks agreeing through marker
+files instead of collectives (`zerolite.checkpoint.async_save`).
+
 Every rank must call `save`; ranks learn of each other's failures at each phase, so a
 failed rank never leaves the others waiting. With hybrid sharding (`zerolite.hybrid`)
 the first replica group writes the files (one per shard rank: its replicas hold the same
@@ -28,6 +33,7 @@ first rank of the whole data-parallel group. Several machines need a shared file
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import uuid
@@ -36,101 +42,41 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save as safetensors_bytes
 from torch import nn
 
 from zerolite._version import __version__
+from zerolite.checkpoint.async_save import stage, write_and_commit
 from zerolite.checkpoint.commit import (
     FAULT_ENV,
     SaveLock,
-    commit,
-    fault_point,
-    fsync_dir,
+    commit_checkpoint,
     read_pointer,
     recover,
-    remove_leftovers,
-    write_atomic,
 )
 from zerolite.checkpoint.format import (
     FORMAT,
-    INDEX,
-    INDEX_DIGEST,
     VERSION,
     CheckpointError,
     checkpoint_name_problem,
     dtype_name,
-    file_digest,
-    frozen_key,
-    index_digest_text,
-    master_key,
-    model_key,
     read_index,
-    shard_file,
-    state_key,
     to_json_value,
 )
-from zerolite.checkpoint.groups import piece_groups
 from zerolite.checkpoint.json_codec import encode
+from zerolite.checkpoint.markers import Markers
+from zerolite.checkpoint.pending_save import PendingSave, finish_in_flight, start
+from zerolite.checkpoint.rank_file import model_only_tensors, rank_file, state_dict_names
 from zerolite.checkpoint.schedulers import scheduler_entries
+from zerolite.checkpoint.shard_writer import as_bytes, layout, write_shard
+from zerolite.checkpoint.staging import staging_area
 from zerolite.collectives import Group, all_gather_bytes
 from zerolite.consensus import agreed
+from zerolite.optim.multi import class_name
 from zerolite.optim.sharded_optimizer import ShardedOptimizer
 
-__all__ = ["FAULT_ENV", "latest", "save"]
-
-
-def rank_tensors(
-    model: nn.Module, opt: ShardedOptimizer
-) -> tuple[dict[str, torch.Tensor], list[list], list[list]]:
-    """This rank's tensors for its file, and the (name, start, end) master and frozen pieces."""
-    tensors: dict[str, torch.Tensor] = {}
-    pieces: list[list] = []
-    frozen_pieces: list[list] = []
-    state = opt.shard_state
-    for frozen in state.frozen_pieces():
-        name, start, end = frozen.name, frozen.param_start, frozen.param_end
-        frozen_pieces.append([name, start, end])
-        tensors[frozen_key(name, start, end)] = frozen.shard
-    for piece in state.pieces():
-        name, start, end = piece.name, piece.param_start, piece.param_end
-        pieces.append([name, start, end])
-        tensors[master_key(name, start, end)] = piece.master.detach()
-        for key, value in piece.state.items():
-            if isinstance(value, torch.Tensor):
-                tensors[state_key(key, name, start, end)] = value.detach()
-    tensors["rng/cpu"] = torch.get_rng_state()
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        tensors["rng/cuda"] = torch.cuda.get_rng_state()
-    if opt.group.rank == 0:
-        for name, tensor in model_only_tensors(model, opt).items():
-            tensors[model_key(name)] = tensor.detach()
-    return {k: v.contiguous().cpu() for k, v in tensors.items()}, pieces, frozen_pieces
-
-
-def model_only_tensors(model: nn.Module, opt: ShardedOptimizer) -> dict[str, torch.Tensor]:
-    """Buffers and the parameters zerolite does not shard (outside the optimizer; frozen
-    ones in stages 1-2), by state-dict name: saved whole by rank 0."""
-    managed = {id(p) for flat in [*opt.flats, *opt.frozen_flats] for p in flat.params}
-    out = {}
-    for name, p in model.named_parameters():
-        if id(p) not in managed:
-            out[name] = p
-    for name, b in model.named_buffers():
-        out[name] = b
-    return out
-
-
-def state_dict_names(model: nn.Module) -> list[str]:
-    """The keys ``model.state_dict()`` has, in its order, without reading any tensor."""
-    names = []
-    for prefix, module in model.named_modules(remove_duplicate=False):
-        dot = f"{prefix}." if prefix else ""
-        names += [dot + n for n, p in module._parameters.items() if p is not None]
-        names += [
-            dot + n for n, b in module._buffers.items()
-            if b is not None and n not in module._non_persistent_buffers_set
-        ]
-    return names
+# model_only_tensors and state_dict_names are imported from here by load, pretrained and
+# zerolite.full_state_dict.
+__all__ = ["FAULT_ENV", "PendingSave", "latest", "model_only_tensors", "save", "state_dict_names"]
 
 
 def _index(
@@ -174,7 +120,7 @@ def _index(
         if opt.config.reduce_dtype is None
         else dtype_name(opt.config.reduce_dtype),
         "optimizer": {
-            "class": f"{type(opt.optimizer).__module__}.{type(opt.optimizer).__qualname__}",
+            "class": class_name(opt.optimizer),
             "param_groups": [
                 {
                     k: to_json_value(v, f"param group {g} {k!r}")
@@ -209,13 +155,16 @@ def save(
     schedulers: Sequence[Any] = (),
     extra: Any = None,
     overwrite: bool = False,
-) -> Path:
+    blocking: bool = True,
+) -> Path | PendingSave:
     """Write a sharded checkpoint of ``model`` and ``optimizer`` to directory ``path``.
 
     Every rank must call. Each rank writes its own safetensors file (its fp32 master
     pieces, their optimizer state and its RNG state); rank 0 also writes buffers,
     frozen and non-optimized parameters and the JSON index. The ``latest`` pointer in
     ``path``'s parent is moved last. Loadable at any world size and stage (`load`).
+
+    A save first waits for this process's asynchronous save in flight, if any.
 
     Args:
         path: the checkpoint directory to create; must not exist unless ``overwrite``.
@@ -225,19 +174,35 @@ def save(
         extra: any JSON-serialisable value, returned by `load` (e.g. the data position).
         overwrite: replace an existing checkpoint at ``path``; ``latest`` names a complete
             copy (the old one, then the new one) at every instant of the replacement.
+        blocking: False: copy this rank's tensors into its staging area (host memory,
+            one copy of the rank's file, kept for the next save; pinned on CUDA), then
+            write, hash, fsync and commit in a background thread while training goes on
+            (`zerolite.checkpoint.async_save`). What is written is the state at this call.
     Returns:
-        ``path`` as a `Path`.
+        ``path`` as a `Path`; with ``blocking=False`` a `PendingSave` (``wait()`` returns
+        ``path`` once ``latest`` names it, ``done()`` polls).
     Raises:
         ValueError: ``path``'s name is not a plain directory name (whitespace around it,
             separators, control characters, a leading '.'), ``extra`` or scheduler state is
             not JSON-serialisable, or ``path`` exists without ``overwrite`` -- before
             anything is written, on every rank.
+        TypeError: ``blocking`` is not a bool.
         zerolite.checkpoint.CheckpointError: another job is saving into ``path``'s parent
-            (it holds the root's lock) -- before anything is written, on every rank.
+            (it holds the root's lock) -- before anything is written, on every rank; the
+            previous asynchronous save failed and no ``wait()`` reported it (on every rank,
+            naming the failed rank and file).
     """
     path = Path(path)
     group = optimizer.group.world
     with agreed("zerolite.checkpoint.save()", group):
+        finish_in_flight()
+        if not isinstance(blocking, bool):
+            raise TypeError(f"checkpoint.save(): blocking must be a bool, got {blocking!r}")
+        if not blocking and optimizer.group.replicas is not None:
+            raise ValueError(
+                "checkpoint.save(blocking=False) is not supported with hybrid sharding "
+                "(ZeroConfig.shard_group_size) yet; save with blocking=True"
+            )
         problem = checkpoint_name_problem(path.name)
         if problem is not None:
             raise ValueError(
@@ -249,13 +214,47 @@ def save(
         index = _index(model, optimizer, schedulers, extra)
         json.dumps(index)
     lock, token = _lock_root(path, overwrite, group)
+    tmp = path.parent / f".{path.name}.tmp-{token}"
     try:
-        tmp = path.parent / f".{path.name}.tmp-{token}"
+        with agreed("zerolite.checkpoint.save() (creating the directory)", group):
+            if group.rank == 0:
+                tmp.mkdir(parents=True)
+        if not blocking:
+            pending = _start_async(path, model, optimizer, index, tmp, overwrite, token, lock)
+            lock = None  # the background thread releases it
+            return pending
         _write_and_commit(path, model, optimizer, index, tmp, overwrite, token)
     finally:
         if lock is not None:
             lock.release()
     return path
+
+
+def _start_async(
+    path: Path,
+    model: nn.Module,
+    optimizer: ShardedOptimizer,
+    index: dict[str, Any],
+    tmp: Path,
+    overwrite: bool,
+    token: str,
+    lock: SaveLock | None,
+) -> PendingSave:
+    """Stage every rank's tensors (agreed: the state at this call, on every rank) and
+    start the background write (`zerolite.checkpoint.async_save`)."""
+    group = optimizer.group
+    with agreed("zerolite.checkpoint.save() (staging)", group):
+        file = rank_file(model, optimizer)
+        area = staging_area(optimizer)
+        stage(area, file)
+    markers = Markers(path, token, group.size, group.timeout.total_seconds())
+    work = functools.partial(
+        # The index as JSON data now: nothing the caller changes later can reach it.
+        write_and_commit, path=path, tmp=tmp, area=area, rank_file=file,
+        index=json.loads(json.dumps(index)),
+        overwrite=overwrite, token=token, lock=lock, markers=markers,
+    )
+    return start(PendingSave(path, work, group.rank, group.size))
 
 
 def _lock_root(path: Path, overwrite: bool, group: Group) -> tuple[SaveLock | None, str]:
@@ -310,67 +309,29 @@ def _write_and_commit(
     overwrite: bool,
     token: str,
 ) -> None:
-    """Phases 2-4 of the module docstring; every rank calls, rank 0 holds the lock."""
+    """Phases 2-4 of the module docstring after the directory exists; every rank calls,
+    rank 0 holds the lock. Hybrid sharding: the first replica group writes (its replicas
+    hold the same shards); the others only agree."""
     group = optimizer.group.world
     shards = optimizer.group
-    # Hybrid: one replica group writes; the others hold the same shards.
     writes = shards.replicas is None or shards.replicas.rank == 0
-    with agreed("zerolite.checkpoint.save() (creating the directory)", group):
-        if group.rank == 0:
-            tmp.mkdir(parents=True)
     record = b""
     with agreed("zerolite.checkpoint.save() (writing shards)", group):
         if writes:
-            tensors, pieces, frozen_pieces = rank_tensors(model, optimizer)
-            target = tmp / shard_file(shards.rank, shards.size)
-            record = _write_file(
-                target, tensors, shards.rank, pieces, frozen_pieces, piece_groups(optimizer)
+            file = rank_file(model, optimizer)
+            tensors = {k: v.contiguous().cpu() for k, v in file.tensors.items()}
+            slots = layout(tensors)
+            size, sha = write_shard(
+                tmp / file.file, slots, [as_bytes(tensors[s.key]) for s in slots], file.rank,
+                file.metadata,
             )
+            del tensors
+            record = json.dumps(file.record(size, sha)).encode()
     records = all_gather_bytes(record, group, what="checkpoint.save() (collecting file records)")
     with agreed("zerolite.checkpoint.save() (committing)", group):
         if group.rank == 0:
-            files = [json.loads(r) for r in records if r]
-            index["files"] = sorted(files, key=lambda f: f["rank"])
-            data = json.dumps(index, indent=1).encode()
-            write_atomic(tmp / INDEX, data)
-            # Last: the checksum seals the index.
-            write_atomic(tmp / INDEX_DIGEST, index_digest_text(data).encode())
-            fsync_dir(tmp)
-            if path.exists() and not overwrite:
-                raise ValueError(f"checkpoint path {path} appeared while saving; not replaced")
-            commit(tmp, path, token)
-            remove_leftovers(path.parent)
-
-
-def _write_file(
-    target: Path,
-    tensors: dict[str, torch.Tensor],
-    rank: int,
-    pieces: list[list],
-    frozen_pieces: list[list],
-    groups: dict[str, int],
-) -> bytes:
-    data = safetensors_bytes(tensors, metadata={"format": FORMAT, "rank": str(rank)})
-    with open(target, "wb") as f:
-        half = len(data) // 2
-        f.write(data[:half])
-        f.flush()
-        fault_point("writing", rank)
-        f.write(data[half:])
-        f.flush()
-        os.fsync(f.fileno())
-    size, sha = file_digest(target)
-    return json.dumps(
-        {
-            "file": target.name,
-            "rank": rank,
-            "bytes": size,
-            "sha256": sha,
-            "pieces": pieces,
-            "frozen_pieces": frozen_pieces,
-            "groups": groups,
-        }
-    ).encode()
+            files = sorted((json.loads(r) for r in records if r), key=lambda f: f["rank"])
+            commit_checkpoint(path, tmp, index, files, overwrite, token)
 
 
 def latest(root: str | os.PathLike) -> Path | None:

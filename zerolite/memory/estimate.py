@@ -31,13 +31,21 @@ from torch import nn
 from zerolite.config import ZeroConfig
 from zerolite.hybrid import shard_group_size
 from zerolite.layout import FlatLayout
-from zerolite.memory.footprint import MemoryBreakdown, formula
+from zerolite.memory.footprint import MemoryBreakdown, formula, layout_imbalance
+from zerolite.optim.multi import inner_optimizers
 from zerolite.optim.registry import NAMED, build_named, name_of, spec_of
 from zerolite.optim.sharded_optimizer import require_sharded_optimizer
 from zerolite.plan import plan_layout
 from zerolite.stages import STAGES
+from zerolite.tensor_layout import assign_owners
 
 __all__ = ["estimate", "state_bytes"]
+
+
+def _optimizer_of_groups(optimizer: torch.optim.Optimizer) -> list[torch.optim.Optimizer]:
+    """Per param group of ``optimizer``, the user's optimizer stepping it (several optimizers
+    in one model: `zerolite.optim.multi`)."""
+    return [o for o in inner_optimizers(optimizer) for _ in o.param_groups]
 
 
 def state_bytes(optimizer: torch.optim.Optimizer, group: dict) -> tuple[int, int]:
@@ -76,7 +84,8 @@ def _breakdown(
     g = _size(config.grad_dtype)  # reduced gradients (the buckets and their shards)
     kept_g = _size(policy.grad_dtype(config.param_dtype, config.grad_dtype))
     padded = sum(b.layout.padded_numel for b in buffers)
-    shard = sum(b.layout.shard_numel for b in buffers)
+    shard = sum(b.layout.shard_size(rank) for b in buffers)
+    stepped_by = _optimizer_of_groups(optimizer)
 
     def held(sharded: bool) -> int:  # elements per rank
         return shard if sharded else padded
@@ -84,14 +93,15 @@ def _breakdown(
     state = 0
     for b in buffers:
         for piece in b.layout.pieces(rank):
-            per_element, scalars = state_bytes(
-                optimizer, optimizer.param_groups[b.groups[piece.index]]
-            )
+            g_index = b.groups[piece.index]
+            per_element, scalars = state_bytes(stepped_by[g_index], optimizer.param_groups[g_index])
             state += piece.numel * per_element + scalars
     other = sum(q.numel() * q.element_size() for q in unmanaged)
     other_grads = sum(q.numel() * q.element_size() for q in unmanaged if q.requires_grad)
     upcast = (
-        0 if config.grad_dtype == torch.float32 else 4 * max(b.layout.shard_numel for b in buffers)
+        0
+        if config.grad_dtype == torch.float32
+        else 4 * max(b.layout.shard_size(rank) for b in buffers)
     )
     largest_bucket = max(b.layout.padded_numel for b in buffers)
     largest_param = max(n for b in buffers for n in b.layout.numels)
@@ -113,6 +123,7 @@ def _breakdown(
         else 4 * held(policy.shards_optimizer_state),
         optimizer_state=state,
         transient=transient,
+        ownership_imbalance=layout_imbalance(b.layout for b in buffers),
     )
 
 
@@ -134,8 +145,9 @@ def estimate(
         world_size: N.
         config: the `ZeroConfig` (``stage=0`` means DDP, count only); None is ``ZeroConfig()``.
             Its ``shard_group_size`` k (hybrid sharding) shards states over k of the N ranks.
-        optimizer: the optimizer instance `shard()` will receive (built on this model),
-            or one of ``"adamw"``, ``"adam"``, ``"sgd"``, ``"sgd_momentum"``, ``"adagrad"``,
+        optimizer: the optimizer instance `shard()` will receive (built on this model; a
+            ``zerolite.optim.multi.MultiOptimizer`` of several), or one of ``"adamw"``,
+            ``"adam"``, ``"sgd"``, ``"sgd_momentum"``, ``"adagrad"``,
             ``"rmsprop"`` (default hyperparameters, over all the model's parameters).
         rank: whose shard to count (pieces and so scalar state differ slightly by rank;
             with hybrid sharding, world rank r holds shard r mod k).
@@ -161,10 +173,15 @@ def estimate(
     else:
         opt = optimizer
     plan = plan_layout(model, opt, config)
+    owners = (
+        assign_owners(plan, shards)
+        if plan.partition == "tensor"
+        else [None] * len(plan.flat_params)
+    )
     root_last = STAGES[config.stage].shards_parameters  # the last buffer is the root unit's
     buffers = [
         _Buffer(
-            FlatLayout(tuple(p.numel() for _, p in params), shards),
+            FlatLayout(tuple(p.numel() for _, p in params), shards, owners[b]),
             [plan.group_of[id(p)] for _, p in params],
             root=root_last and b == len(plan.flat_params) - 1,
         )

@@ -13,6 +13,11 @@
   buckets in flight, stage-1 reduced shards during the step, full-size gradients not
   yet moved into a bucket). A measurement reports what is alive at that moment.
 
+One field is not bytes: ``ownership_imbalance``, under whole-tensor ownership
+(``ZeroConfig.partition="tensor"``), is max / min over ranks of the trained elements each
+rank owns (`zerolite.tensor_layout.imbalance`; 1.0 under ``"flat"``): the rank owning the
+most holds that much more master, gradient shard and optimizer state than the lightest.
+
 `footprint` counts each distinct storage once (``untyped_storage().data_ptr()``), in
 the order of the fields above: a view shares its base's storage and is not counted
 again. `formula` is DESIGN §3's table for Adam-style state (8 bytes per parameter);
@@ -27,9 +32,11 @@ from fractions import Fraction
 
 import torch
 
+from zerolite.layout import FlatLayout
 from zerolite.optim.registry import STATE_BYTES_PER_PARAM
 from zerolite.optim.sharded_optimizer import ShardedOptimizer, require_sharded_optimizer
 from zerolite.stages import STAGES
+from zerolite.tensor_layout import imbalance
 
 __all__ = ["MemoryBreakdown", "footprint", "formula", "STATE_BYTES_PER_PARAM"]
 
@@ -42,6 +49,7 @@ class MemoryBreakdown:
     master: int = 0
     optimizer_state: int = 0
     transient: int = 0
+    ownership_imbalance: float = 1.0  # max/min owned elements over ranks (not bytes)
 
     @property
     def model_states(self) -> int:
@@ -53,9 +61,16 @@ class MemoryBreakdown:
         return self.model_states + self.transient
 
     def __str__(self) -> str:
-        rows = [(f.name, getattr(self, f.name)) for f in dataclasses.fields(self)]
+        rows = [
+            (f.name, getattr(self, f.name))
+            for f in dataclasses.fields(self)
+            if f.name != "ownership_imbalance"
+        ]
         rows += [("model_states", self.model_states), ("total", self.total)]
-        return "\n".join(f"{name:16s} {_human(value):>12s}" for name, value in rows)
+        lines = [f"{name:16s} {_human(value):>12s}" for name, value in rows]
+        if self.ownership_imbalance != 1.0:
+            lines.append(f"{'imbalance':16s} {self.ownership_imbalance:>11.3f}x")
+        return "\n".join(lines)
 
 
 def _human(n: int) -> str:
@@ -125,8 +140,17 @@ def footprint(opt: ShardedOptimizer) -> MemoryBreakdown:
         + opt.bookkeeping_tensors()
     )
     return MemoryBreakdown(
-        params=params, grads=grads, master=master, optimizer_state=state, transient=transient
+        params=params, grads=grads, master=master, optimizer_state=state, transient=transient,
+        ownership_imbalance=layout_imbalance([f.layout for f in opt.flats]),
     )
+
+
+def layout_imbalance(layouts: Iterable[FlatLayout]) -> float:
+    """``ownership_imbalance`` of trained buffers' layouts: 1.0 unless whole-tensor owned."""
+    sizes = [layout.chunk_sizes for layout in layouts if layout.chunk_sizes is not None]
+    if not sizes:
+        return 1.0
+    return imbalance(sizes, len(sizes[0]))
 
 
 def formula(

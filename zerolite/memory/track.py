@@ -1,10 +1,11 @@
-"""`track`: peak memory by phase (build, load, forward, backward, step).
+"""`track`: peak memory by phase (build, load, forward, backward, step, staging).
 
 Inside ``with zerolite.memory.track(opt) as t:`` every forward, backward and optimizer
 step is attributed to a phase; ``shard()`` (``"build"``, including a meta-device
-model's materialisation) and ``zerolite.checkpoint.load`` / ``load_pretrained``
-(``"load"``) announce themselves. ``track()`` without an optimizer watches those two and
-attaches to the optimizer ``shard()`` returns inside the block.
+model's materialisation), ``zerolite.checkpoint.load`` / ``load_pretrained``
+(``"load"``) and an asynchronous ``zerolite.checkpoint.save`` copying the rank's tensors
+into its staging area (``"staging"``) announce themselves. ``track()`` without an
+optimizer watches those and attaches to the optimizer ``shard()`` returns inside the block.
 
 - ``t.peaks[phase].zerolite``: the largest `footprint(opt)` total seen at the sampling
   points (module forward pre/post-hooks, gradient hooks, around ``step()``, after each
@@ -17,6 +18,10 @@ attaches to the optimizer ``shard()`` returns inside the block.
   Linux this is the kernel's high-water mark (``VmHWM``, reset at each phase change
   through ``/proc/self/clear_refs``), so nothing between two samples is missed;
   elsewhere RSS is read at the sampling points only.
+
+The staging area of asynchronous saves is host memory held between saves (one copy of
+the rank's checkpoint file): ``t.staging`` is the most seen, it counts in the
+``"staging"`` phase's ``zerolite`` peak, and ``str(t)`` prints it on a line of its own.
 
 One tracker at a time per process (the high-water mark is process-wide). Use it for "what
 does each phase cost"; byte-exact accounting of zerolite's own tensors is `footprint`.
@@ -35,12 +40,13 @@ import psutil
 import torch
 
 from zerolite import phase_events
+from zerolite.checkpoint.staging import staging_bytes
 from zerolite.memory.footprint import footprint
 from zerolite.optim.sharded_optimizer import ShardedOptimizer, require_sharded_optimizer
 
 __all__ = ["track", "PhasePeak", "MemoryTracker"]
 
-PHASES = ("build", "load", "forward", "backward", "step")
+PHASES = ("build", "load", "forward", "backward", "step", "staging")
 
 
 class _ResidentPeak:
@@ -85,6 +91,7 @@ class MemoryTracker:
         self.opt: ShardedOptimizer | None = None
         self.peaks = {phase: PhasePeak() for phase in PHASES}
         self.phase: str | None = None
+        self.staging = 0  # bytes of checkpoint staging areas (host), the most seen
         self.cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
         self._resident = _ResidentPeak()
         self._rss0 = psutil.Process().memory_info().rss
@@ -137,6 +144,10 @@ class MemoryTracker:
         peak = self.peaks[self.phase]
         if held_bytes is None and self.opt is not None:
             held_bytes = footprint(self.opt).total
+        staged = staging_bytes()
+        self.staging = max(self.staging, staged)
+        if self.phase == "staging":
+            held_bytes = (held_bytes or 0) + staged
         peak.zerolite = max(peak.zerolite, held_bytes or 0)
         if self.cuda:
             peak.process = max(peak.process, torch.cuda.max_memory_allocated())
@@ -158,6 +169,9 @@ class MemoryTracker:
         rows = [f"{'phase':10s} {'zerolite MB':>12s} {kind + ' MB':>24s}"]
         for phase, p in self.peaks.items():
             rows.append(f"{phase:10s} {p.zerolite / 1e6:12.2f} {p.process / 1e6:24.2f}")
+        if self.staging:
+            rows.append(f"checkpoint staging area (host, held between saves): "
+                        f"{self.staging / 1e6:.2f} MB")
         return "\n".join(rows)
 
 

@@ -8,7 +8,9 @@ The user's optimizer does not step the master as one tensor but as *pieces*: one
 view per parameter intersecting this shard (see `zerolite.layout.ParamPiece`). Each
 piece carries its parameter's optimizer state, step count and param group, so a
 parameter that received no gradient is skipped exactly as torch skips it, and a
-checkpoint can name state by parameter and element range.
+checkpoint can name state by parameter and element range. Under whole-tensor ownership
+(``ZeroConfig.partition="tensor"``) a piece is a whole parameter and is viewed in the
+parameter's shape, so shape-aware optimizers (Muon, Adafactor) step it as the matrix it is.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from zerolite.flat_buffer import FlatParamBuffer
+from zerolite.layout import ParamPiece
 
 __all__ = ["MasterShard"]
 
@@ -33,10 +36,14 @@ class MasterShard:
         self.data: torch.Tensor = (
             flat.shard if flat.data.dtype == torch.float32 else flat.shard.float()
         )
-        # 1-D fp32 views of `data`, one per flat.pieces entry: what the optimizer steps.
-        self.pieces: list[torch.Tensor] = [
-            self.data[pc.shard_start : pc.shard_start + pc.numel] for pc in flat.pieces
-        ]
+        # fp32 views of `data`, one per flat.pieces entry: what the optimizer steps. 1-D, or
+        # in the parameter's shape when pieces are whole parameters (whole-tensor ownership).
+        self.shaped = flat.layout.owners is not None
+        self.pieces: list[torch.Tensor] = [self._view(self.data, pc) for pc in flat.pieces]
+
+    def _view(self, shard: torch.Tensor, piece: ParamPiece) -> torch.Tensor:
+        view = shard[piece.shard_start : piece.shard_start + piece.numel]
+        return view.view(self.flat.shapes[piece.index]) if self.shaped else view
 
     @property
     def is_view(self) -> bool:
@@ -59,11 +66,7 @@ class MasterShard:
             used: bool per param of the flat buffer: some rank produced a gradient.
         """
         for piece, tensor in zip(self.flat.pieces, self.pieces):
-            tensor.grad = (
-                grad_shard[piece.shard_start : piece.shard_start + piece.numel]
-                if used[piece.index]
-                else None
-            )
+            tensor.grad = self._view(grad_shard, piece) if used[piece.index] else None
 
     def clear_grads(self) -> None:
         for tensor in self.pieces:

@@ -27,6 +27,7 @@ __all__ = [
     "NAMED",
     "STATE_BYTES_PER_PARAM",
     "SUPPORTED",
+    "WHOLE_TENSOR",
     "OptimizerSpec",
     "build_named",
     "name_of",
@@ -82,6 +83,13 @@ SUPPORTED: tuple[OptimizerSpec, ...] = (
 # The allow-list of `zerolite.optim.contract`.
 ELEMENTWISE_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = tuple(s.cls for s in SUPPORTED)
 
+# Shape-aware optimizers whose state the estimator counts, sharded only with whole-tensor
+# ownership (``ZeroConfig.partition="tensor"``), so not on the allow-list. (Adafactor's
+# factored state depends on each tensor's shape, not on its element count: not estimated.)
+WHOLE_TENSOR: tuple[OptimizerSpec, ...] = (
+    OptimizerSpec(torch.optim.Muon, lambda group: (4, 0)),  # momentum_buffer; no step
+)
+
 # Estimator name -> (its optimizer, constructor keyword arguments).
 NAMED: dict[str, tuple[OptimizerSpec, Mapping[str, Any]]] = {
     name: (spec, kwargs) for spec in SUPPORTED for name, kwargs in spec.names.items()
@@ -94,7 +102,7 @@ STATE_BYTES_PER_PARAM: dict[str, int] = {
     name: spec.state_bytes(kwargs)[0] for name, (spec, kwargs) in NAMED.items()
 }
 
-_BY_CLASS_NAME: dict[str, OptimizerSpec] = {s.cls.__name__: s for s in SUPPORTED}
+_BY_CLASS_NAME: dict[str, OptimizerSpec] = {s.cls.__name__: s for s in (*SUPPORTED, *WHOLE_TENSOR)}
 
 
 def spec_of(optimizer: torch.optim.Optimizer) -> OptimizerSpec | None:

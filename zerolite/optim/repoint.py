@@ -45,7 +45,7 @@ def repoint_optimizer(
         old = optimizer.state.get(param)
         if old:
             optimizer.state[piece.master] = {
-                key: _slice_state(key, value, param, piece.param_start, piece.param_end)
+                key: _slice_state(key, value, param, piece)
                 for key, value in old.items()
             }
     for flat in flats.values():
@@ -57,11 +57,13 @@ def repoint_optimizer(
         param_group["params"] = params
 
 
-def _slice_state(key: str, value: object, param: torch.Tensor, start: int, end: int) -> object:
-    """A state entry for one piece: per-element tensors sliced (fp32), scalars copied."""
+def _slice_state(key: str, value: object, param: torch.Tensor, piece: Piece) -> object:
+    """A state entry for one piece: per-element tensors sliced in the master's shape (fp32),
+    others (scalars, Adafactor's factored moments of a whole owned tensor) copied."""
     if isinstance(value, torch.Tensor):
         if value.shape == param.shape and key not in _SCALAR_STATE:
-            out = value.detach().reshape(-1)[start:end].clone()
+            flat = value.detach().reshape(-1)[piece.param_start : piece.param_end]
+            out = flat.clone().view(piece.master.shape)
             return out.float() if out.is_floating_point() else out
         return value.detach().clone()
     return value

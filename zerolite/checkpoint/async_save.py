@@ -1,0 +1,88 @@
+"""The background half of ``save(..., blocking=False)``: write, hash, fsync, commit.
+
+`zerolite.checkpoint.save` does everything that needs the training group on the calling
+thread -- validation, rank 0's lock, the hidden directory, and `stage` (each rank's tensors
+copied into its `StagingArea`) -- and then returns a `PendingSave` whose thread runs
+`write_and_commit`:
+
+1. every rank writes its staged bytes to ``.NAME.tmp-T/rank-R-of-N.safetensors``, hashing
+   while it writes, fsyncs, and leaves its completion marker (`Markers`);
+2. rank 0 waits for every rank's marker, writes ``index.json`` and its checksum, commits
+   (`zerolite.checkpoint.commit.commit_checkpoint`, the same protocol as a synchronous
+   save) and tells the others the outcome; they wait for it, so ``wait()`` returns on any
+   rank only once ``latest`` names the checkpoint.
+
+No collective runs on the background thread (`zerolite.checkpoint.markers` says why). A
+failure on any rank reaches every rank's ``wait()`` naming the rank and its file; rank 0
+commits nothing then, so the previous checkpoint stays ``latest``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from zerolite import phase_events
+from zerolite.checkpoint.commit import SaveLock, commit_checkpoint
+from zerolite.checkpoint.format import CheckpointError
+from zerolite.checkpoint.markers import Markers
+from zerolite.checkpoint.rank_file import RankFile
+from zerolite.checkpoint.shard_writer import write_shard
+from zerolite.checkpoint.staging import StagingArea
+
+__all__ = ["stage", "write_and_commit"]
+
+
+def stage(area: StagingArea, rank_file: RankFile) -> None:
+    """Copy ``rank_file``'s tensors into ``area`` (the memory tracker's ``"staging"`` phase);
+    ``rank_file.tensors`` is emptied: the bytes to write are ``area``'s."""
+    with phase_events.phase("staging"):
+        area.stage(rank_file.tensors)
+    rank_file.tensors = {}  # the live tensors are not needed (nor kept alive) any more
+
+
+def write_and_commit(
+    *,
+    path: Path,
+    tmp: Path,
+    area: StagingArea,
+    rank_file: RankFile,
+    index: dict[str, Any],
+    overwrite: bool,
+    token: str,
+    lock: SaveLock | None,
+    markers: Markers,
+) -> None:
+    """The background thread's work on one rank (module docstring); rank 0 holds ``lock``
+    and releases it when done."""
+    rank = rank_file.rank
+    try:
+        target = tmp / rank_file.file
+        try:
+            size, sha = write_shard(target, area.slots, [area.data], rank, rank_file.metadata)
+            markers.done(rank, rank_file.record(size, sha))
+        except Exception as exc:
+            message = f"writing {target}: {type(exc).__name__}: {exc}"
+            if rank == 0:
+                markers.announce(f"rank 0: {message}")  # nobody waits for the timeout
+            else:
+                markers.failed(rank, message)
+            raise CheckpointError(f"rank {rank}: {message}") from exc
+        if rank != 0:
+            markers.verdict(rank)
+            return
+        try:
+            records = markers.collect()
+        except CheckpointError as exc:  # names the ranks
+            markers.announce(str(exc))
+            raise
+        try:
+            commit_checkpoint(path, tmp, index, records, overwrite, token)
+        except Exception as exc:
+            message = f"rank 0: committing {path}: {type(exc).__name__}: {exc}"
+            markers.announce(message)
+            raise CheckpointError(message) from exc
+        markers.announce(None)
+    finally:
+        if lock is not None:
+            lock.release()

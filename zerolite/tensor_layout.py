@@ -1,0 +1,92 @@
+"""Whole-tensor ownership (``ZeroConfig.partition="tensor"``): who steps which parameter.
+
+A flat partition cuts every flat buffer into equal 1-D shards, which is exact only for
+elementwise optimizers. Muon orthogonalises a whole matrix, Adafactor factors its second
+moment by rows and columns: their step needs the whole tensor. Under ``"tensor"`` each
+trained parameter lies whole in one *owner* rank's shard of its flat buffer (the buffer's
+parameters are ordered by owner, see `zerolite.layout.FlatLayout`'s ``owners``), so:
+
+- gradients of a bucket are reduced to their owners (`zerolite.owned_collectives`),
+  still one exchange per bucket, launched as the bucket completes in backward;
+- the owner steps its parameters' fp32 masters in their own shapes with the user's
+  optimizer;
+- updated parameters are sent out from their owners (the bucket's all-gather, uneven).
+
+Ownership is balanced greedily by element count over the whole model (largest first,
+each to the least-loaded rank, ties to the lower rank): a pure function of the plan, so
+every rank computes the same owners without communicating. Whole tensors cannot be split,
+so ranks may hold unequal amounts: `imbalance` (max/min of owned elements over ranks)
+says how unequal; `zerolite.memory.footprint` and ``estimate`` report it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+from zerolite.optim.contract import is_elementwise
+
+if TYPE_CHECKING:
+    from zerolite.config import ZeroConfig
+    from zerolite.plan import ShardPlan
+
+__all__ = ["assign_owners", "balance", "imbalance", "resolve_partition"]
+
+
+def resolve_partition(config: ZeroConfig, optimizers: Sequence[torch.optim.Optimizer]) -> str:
+    """``"flat"`` or ``"tensor"``: ``config.partition``, with ``"auto"`` resolved.
+
+    ``"auto"`` keeps the flat partition whenever it is exact (every optimizer elementwise:
+    zerolite's allow-list or ``config.elementwise_optimizers``), so existing setups are laid
+    out exactly as before, and owns whole tensors otherwise.
+    """
+    if config.partition != "auto":
+        return config.partition
+    flat = all(is_elementwise(o, config.elementwise_optimizers) for o in optimizers)
+    return "flat" if flat else "tensor"
+
+
+def balance(numels: Sequence[int], world_size: int) -> list[int]:
+    """The owner rank of each of ``numels``: largest first, each to the least-loaded rank.
+
+    Deterministic (ties go to the earlier tensor and the lower rank), so every rank computes
+    the same owners from the same sizes.
+    """
+    loads = [0] * world_size
+    owners = [0] * len(numels)
+    for i in sorted(range(len(numels)), key=lambda i: (-numels[i], i)):
+        rank = min(range(world_size), key=lambda r: (loads[r], r))
+        owners[i] = rank
+        loads[rank] += numels[i]
+    return owners
+
+
+def assign_owners(plan: ShardPlan, world_size: int) -> list[tuple[int, ...]]:
+    """Give every trained parameter of ``plan`` an owner; reorder each buffer by owner.
+
+    Changes ``plan.flat_params`` in place (each buffer's parameters sorted by owner, stably,
+    so the order within one owner is kept) and returns, per buffer, its parameters' owners
+    in the new order (the ``owners`` of its `zerolite.layout.FlatLayout`).
+    """
+    flat = [p for params in plan.flat_params for _, p in params]
+    owner_of = dict(zip((id(p) for p in flat), balance([p.numel() for p in flat], world_size)))
+    out = []
+    for b, params in enumerate(plan.flat_params):
+        ordered = sorted(params, key=lambda item: owner_of[id(item[1])])
+        plan.flat_params[b] = ordered
+        out.append(tuple(owner_of[id(p)] for _, p in ordered))
+    return out
+
+
+def imbalance(chunk_sizes: Sequence[Sequence[int]], world_size: int) -> float:
+    """max / min over ranks of the elements each owns, summed over buffers.
+
+    Args:
+        chunk_sizes: per flat buffer, the elements of each rank's shard.
+    Returns:
+        1.0 for a perfect balance, ``inf`` when some rank owns nothing.
+    """
+    totals = [sum(sizes[r] for sizes in chunk_sizes) for r in range(world_size)]
+    return max(totals) / min(totals) if min(totals) else float("inf")
