@@ -13,6 +13,9 @@ parameters with fp32 master shards):
     zl2-disk/zl3-disk  stage 2 / 3 with ZeroConfig(offload="disk") under --offload-dir
         (not in the default list; its rows add the step-time ratio to the same stage in
         RAM, the tier's bytes and the peak RSS per rank measured by `zerolite.memory.track`)
+    zl2-hybrid/zl3-hybrid  stage 2 / 3 with ZeroConfig(shard_group_size=--node-size):
+                 sharded within each "node" of --node-size consecutive ranks, gradient
+                 shards all-reduced across nodes (not in the default list)
 
 Per system it prints the median step time, its ratio ("x base") to DDP's median in the
 same round (a -disk system: to the same stage in RAM; mean and spread over rounds), tokens/s,
@@ -20,7 +23,12 @@ model-state bytes per rank and their ratio to
 `zerolite.memory.formula`, transient bytes, and logical elements per collective kind per
 step, counted by a pass-through spy on torch.distributed in a separate counting step
 (elements one rank sends, as a ring would: all-reduce 2(N-1)/N of the buffer,
-all-gather and reduce-scatter (N-1)/N, point-to-point what is sent).
+all-gather and reduce-scatter (N-1)/N, point-to-point what is sent, N the call's group),
+and the same elements split by link: within a "node" (``--node-size`` consecutive ranks)
+or across nodes. A point-to-point send is on one link; a collective whose group spans
+nodes is counted across in full (an upper bound: a ring crosses nodes on some hops only).
+
+    python benchmarks/step_time.py --world-size 4 --systems zl2,zl2-hybrid --rounds 2
 
     python benchmarks/step_time.py [--rounds 5] [--dtypes fp32,bf16] [--device cuda]
     python benchmarks/step_time.py --systems zl2,zl3,zl2-disk,zl3-disk --dtypes bf16
@@ -51,6 +59,7 @@ sys.path.insert(0, str(ROOT))
 
 import zerolite  # noqa: E402
 from examples.gpt import GPT, GPTConfig, param_groups, random_batch  # noqa: E402
+from tests.comm_spy import peers  # noqa: E402
 from zerolite.memory import footprint, formula, track  # noqa: E402
 from zerolite.testing import run_ranks  # noqa: E402
 
@@ -60,14 +69,15 @@ WARMUP, TIMED = 3, 10
 TRACKED = 5  # zerolite systems: steps after the timed ones, each peak RSS read by track()
 SYSTEMS = ("ddp", "zero1", "fsdp2", "zl1", "zl2", "zl3")
 STAGE = {"ddp": 0, "zero1": 1, "fsdp2": 3, "zl1": 1, "zl2": 2, "zl3": 3, "zl2-disk": 2,
-         "zl3-disk": 3}
+         "zl3-disk": 3, "zl2-hybrid": 2, "zl3-hybrid": 3}
 SPIED = ("isend", "irecv", "all_reduce", "broadcast", "all_gather", "reduce_scatter_single",
          "all_gather_single", "reduce_scatter_tensor", "all_gather_into_tensor")
 
 
 def _sent(name: str, numel: int, n: int) -> float:
-    """Elements one rank sends for a call whose first tensor has ``numel`` elements, as a
-    ring would (so that point-to-point and collective counts compare)."""
+    """Elements one rank sends for a call whose first tensor has ``numel`` elements, over a
+    group of ``n`` ranks, as a ring would (so that point-to-point and collective counts
+    compare)."""
     if name == "all_reduce":
         return 2 * numel * (n - 1) / n
     # first arg: the output
@@ -79,13 +89,16 @@ def _sent(name: str, numel: int, n: int) -> float:
 
 
 class CommSpy:
-    """Pass-through wrappers on torch.distributed functions counting elements, and bytes on
-    the wire (elements times their size: int8 blocks of a quantized exchange count one byte
-    each), per call kind."""
+    """Pass-through wrappers on torch.distributed functions counting elements per call kind,
+    bytes on the wire (elements times their size: int8 blocks of a quantized exchange count
+    one byte each), and elements per link (``"within"`` a node of ``node_size`` ranks,
+    ``"across"`` nodes)."""
 
-    def __init__(self) -> None:
+    def __init__(self, node_size: int) -> None:
         self.elements: dict[str, float] = defaultdict(float)
         self.bytes: dict[str, float] = defaultdict(float)
+        self.links: dict[str, float] = {"within": 0.0, "across": 0.0}
+        self.node_size = node_size
         self._saved: dict[str, object] = {}
 
     def __enter__(self) -> CommSpy:
@@ -96,9 +109,15 @@ class CommSpy:
             def spy(*args, _original=original, _name=name, **kwargs):
                 tensor = args[0] if args else next(iter(kwargs.values()))
                 if isinstance(tensor, torch.Tensor):
-                    sent = _sent(_name, tensor.numel(), dist.get_world_size())
+                    ranks = peers(_name, args, kwargs)
+                    n = dist.get_world_size() if _name in ("isend", "irecv") else len(ranks)
+                    sent = _sent(_name, tensor.numel(), n)
                     self.elements[_name] += sent
                     self.bytes[_name] += sent * tensor.element_size()
+                    if _name != "irecv":  # what this rank sends
+                        nodes = {r // self.node_size for r in ranks}
+                        mine = dist.get_rank() // self.node_size
+                        self.links["within" if nodes == {mine} else "across"] += sent
                 return _original(*args, **kwargs)
 
             setattr(dist, name, spy)
@@ -118,7 +137,7 @@ def _census(tensors) -> int:
     return total
 
 
-def _build(system: str, dtype: str, device: torch.device, offload_dir: str):
+def _build(system: str, dtype: str, device: torch.device, offload_dir: str, node_size: int):
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
     from torch.distributed.optim import ZeroRedundancyOptimizer
     from torch.nn.parallel import DistributedDataParallel
@@ -132,6 +151,7 @@ def _build(system: str, dtype: str, device: torch.device, offload_dir: str):
         cfg = zerolite.ZeroConfig(
             stage=STAGE[system], param_dtype=torch.bfloat16 if dtype == "bf16" else torch.float32,
             offload=offload, offload_dir=offload_dir if offload else None,
+            shard_group_size=node_size if system.endswith("-hybrid") else None,
         )
         opt = zerolite.shard(model, torch.optim.AdamW(groups, lr=3e-4), cfg)
         return model, model, opt, autocast, lambda: footprint(opt)
@@ -197,14 +217,16 @@ def _one_step(module, opt, autocast, x, y, after_step=None):
     return loss
 
 
-def _run_system(system: str, dtype: str, device_name: str, offload_dir: str) -> dict:
+def _run_system(
+    system: str, dtype: str, device_name: str, offload_dir: str, node_size: int
+) -> dict:
     torch.set_num_threads(1)
     rank = dist.get_rank()
     device = torch.device(device_name, rank) if device_name == "cuda" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    model, module, opt, autocast, measure = _build(system, dtype, device, offload_dir)
-    result = _timed(model, module, opt, autocast, measure, system, device)
+    model, module, opt, autocast, measure = _build(system, dtype, device, offload_dir, node_size)
+    result = _timed(model, module, opt, autocast, measure, system, device, node_size)
     if system.startswith("zl"):  # more steps, each tracked (hooks would skew the timing)
         rank, world = dist.get_rank(), dist.get_world_size()
         peaks = []
@@ -221,7 +243,7 @@ def _run_system(system: str, dtype: str, device_name: str, offload_dir: str) -> 
     return result
 
 
-def _timed(model, module, opt, autocast, measure, system, device) -> dict:
+def _timed(model, module, opt, autocast, measure, system, device, node_size) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     batches = [random_batch(CFG, MICRO_BATCH * world, seed=s) for s in range(WARMUP + TIMED + 1)]
     batches = [(x[rank::world].to(device), y[rank::world].to(device)) for x, y in batches]
@@ -241,13 +263,13 @@ def _timed(model, module, opt, autocast, measure, system, device) -> dict:
     if system in ("ddp", "zero1"):
         module.register_comm_hook(None, module._zerolite_bench_hook)
     measured = []
-    with CommSpy() as spy:
+    with CommSpy(node_size) as spy:
         _one_step(
             module, opt, autocast, *batches[-1], after_step=lambda: measured.append(measure())
         )
     mem = measured[0]
     return {"times": times, "cpu": cpu, "elements": dict(spy.elements),
-            "bytes": dict(spy.bytes), "memory": mem,
+            "bytes": dict(spy.bytes), "links": spy.links, "memory": mem,
             "numel": sum(p.numel() for p in model.parameters())}
 
 
@@ -262,6 +284,9 @@ def main() -> None:
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--offload-dir", default=tempfile.gettempdir(),
                         help="directory of the -disk systems' files (default: the temp dir)")
+    parser.add_argument("--node-size", type=int, default=2,
+                        help="ranks per 'node': the hybrid systems' shard_group_size, and "
+                        "the split of elements by link")
     args = parser.parse_args()
     os.makedirs(args.offload_dir, exist_ok=True)
     backend = "nccl" if args.device == "cuda" else "gloo"
@@ -275,7 +300,8 @@ def main() -> None:
             medians = {}
             for system in order:
                 ranks = run_ranks(_run_system, args.world_size, system, dtype, args.device,
-                                  args.offload_dir, timeout=600, backend=backend)
+                                  args.offload_dir, args.node_size, timeout=600,
+                                  backend=backend)
                 result = ranks[0]
                 medians[system] = statistics.median(
                     max(rr["times"][i] for rr in ranks) for i in range(TIMED)
@@ -291,9 +317,9 @@ def main() -> None:
     print(f"\n{CFG}, micro-batch {MICRO_BATCH}/rank, {args.world_size} ranks, {args.device}, "
           f"{args.rounds} rounds x {TIMED} timed steps")
     header = (
-        f"{'system':8s} {'dtype':5s} {'median ms':>9s} {'x base':>6s} {'spread':>13s} "
-        f"{'tok/s':>7s} {'states MB':>9s} {'/formula':>8s} {'trans MB':>8s} {'wire MB':>7s}  "
-        "elements per step by call"
+        f"{'system':10s} {'dtype':5s} {'median ms':>9s} {'x base':>6s} {'spread':>13s} "
+        f"{'tok/s':>7s} {'states MB':>9s} {'/formula':>8s} {'trans MB':>8s} {'wire MB':>7s} "
+        f"{'within M':>8s} {'across M':>8s}  elements per step by call"
     )
     print(header)
     for dtype in args.dtypes.split(","):
@@ -305,15 +331,18 @@ def main() -> None:
             ref = formula(runs[-1]["numel"], world_size=args.world_size, stage=STAGE[system],
                           param_dtype=torch.bfloat16 if dtype == "bf16" and system.startswith("zl")
                           else torch.float32,
-                          offload="disk" if system.endswith("-disk") else None)
+                          offload="disk" if system.endswith("-disk") else None,
+                          shard_group_size=args.node_size if system.endswith("-hybrid") else None)
             elements = ", ".join(
                 f"{k}={v / 1e6:.2f}M" for k, v in sorted(runs[-1]["elements"].items())
             )
+            links = runs[-1]["links"]
             print(
-                f"{system:8s} {dtype:5s} {med * 1e3:9.1f} {statistics.mean(rs):6.3f} "
+                f"{system:10s} {dtype:5s} {med * 1e3:9.1f} {statistics.mean(rs):6.3f} "
                 f"{min(rs):6.3f}-{max(rs):6.3f} {tokens / med:7.0f} {mem.model_states / 1e6:9.1f} "
                 f"{mem.model_states / ref.model_states:8.3f} {mem.transient / 1e6:8.1f} "
-                f"{sum(runs[-1]['bytes'].values()) / 1e6:7.1f}  {elements}"
+                f"{sum(runs[-1]['bytes'].values()) / 1e6:7.1f} "
+                f"{links['within'] / 1e6:8.2f} {links['across'] / 1e6:8.2f}  {elements}"
             )
     _offload_table(systems, args.dtypes.split(","), results)
 

@@ -1,7 +1,8 @@
 """A pass-through spy on ``torch.distributed``: counts communication without mocking it.
 
-`CommSpy` records each call (name, elements, calling zerolite collective, phase) and
-calls the real function, so the ranks still communicate over their real gloo groups.
+`CommSpy` records each call (name, elements, calling zerolite collective, phase, peers)
+and calls the real function, so the ranks still communicate over their real gloo groups.
+`link_elements` splits what a rank sends by link (within its node, across nodes).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import torch
 import torch.distributed as dist
 from typing_extensions import Self
 
-__all__ = ["CommSpy"]
+__all__ = ["CommSpy", "link_elements", "peers"]
 
 _SPIED = (
     "isend", "irecv", "send", "recv", "batch_isend_irecv",
@@ -22,6 +23,44 @@ _SPIED = (
     "reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single", "_reduce_scatter_base",
     "all_to_all", "all_to_all_single", "gather", "scatter", "broadcast_object_list",
 )
+
+
+_P2P = ("isend", "irecv", "send", "recv")
+
+
+def peers(name: str, args: tuple, kwargs: dict) -> tuple[int, ...]:
+    """The global ranks a call talks to: the peer of a point-to-point call, else every rank
+    of its group (the default group when none is given)."""
+    if name in _P2P:
+        peer = args[1] if len(args) > 1 else kwargs.get("dst", kwargs.get("src"))
+        return (int(peer),) if peer is not None else ()
+    group = kwargs.get("group")
+    if group is None and name in ("all_reduce", "broadcast") and len(args) > 2:
+        group = args[2]  # (tensor, op or src, group, ...)
+    if not dist.is_initialized():
+        return ()
+    return tuple(dist.get_process_group_ranks(group or dist.group.WORLD))
+
+
+def link_elements(events, node_size: int) -> dict[str, float]:
+    """Elements this rank sends, by link: ``"within"`` its node (global ranks in blocks of
+    ``node_size``) and ``"across"`` nodes, plus ``"control"`` for all-reduces of integer
+    flags (the step's agreement). A point-to-point send counts its elements on its link; an
+    all-reduce of n elements over R ranks counts 2 (R-1)/R n (what a ring sends per rank),
+    across nodes when its group spans more than one node."""
+    me = dist.get_rank()
+    node = me // node_size
+    out = {"within": 0.0, "across": 0.0, "control": 0.0}
+    for name, numel, _caller, _phase, ranks, dtype, _nbytes in events:
+        if name == "isend":
+            out["within" if ranks[0] // node_size == node else "across"] += numel
+        elif name == "all_reduce" and len(ranks) > 1:
+            sent = 2 * (len(ranks) - 1) / len(ranks) * numel
+            if dtype is not None and not dtype.is_floating_point:
+                out["control"] += sent
+            else:
+                out["across" if {p // node_size for p in ranks} != {node} else "within"] += sent
+    return out
 
 
 def _origin(frame) -> str:
@@ -40,10 +79,11 @@ def _origin(frame) -> str:
 class CommSpy:
     """Wraps ``torch.distributed`` functions with recorders that call straight through.
 
-    Each event is ``(name, elements, caller, phase, nbytes)``: ``nbytes`` is what the call
+    Each event is ``(name, elements, caller, phase, peers, dtype, nbytes)``: ``peers`` as
+    `peers`, ``dtype`` the tensor's (None for a call without one), ``nbytes`` what the call
     carries on the wire (elements times their size; a quantized exchange's uint8 message
-    counts its bytes). ``caller`` says which collective a
-    call belongs to: on gloo zerolite builds reduce-scatter and all-gather from
+    counts its bytes). ``caller`` says which
+    collective a call belongs to: on gloo zerolite builds reduce-scatter and all-gather from
     ``isend``/``irecv``, so for those the stack is searched for the nearest function whose
     name contains ``reduce_scatter`` or ``all_gather`` (``"reduce_scatter"`` /
     ``"all_gather"``); otherwise it is the name of the function that called into
@@ -55,7 +95,7 @@ class CommSpy:
     """
 
     def __init__(self) -> None:
-        self.events: list[tuple[str, int, str, object, int]] = []
+        self.events: list[tuple] = []
         self.phase: object = None
         self._saved: dict[str, object] = {}
 
@@ -77,8 +117,11 @@ class CommSpy:
             caller = _origin(sys._getframe(1))
             t = args[0] if args else kwargs.get("tensor")
             numel = t.numel() if isinstance(t, torch.Tensor) else 0
+            dtype = t.dtype if isinstance(t, torch.Tensor) else None
             nbytes = numel * t.element_size() if isinstance(t, torch.Tensor) else 0
-            self.events.append((name, numel, caller, self.phase, nbytes))
+            self.events.append(
+                (name, numel, caller, self.phase, peers(name, args, kwargs), dtype, nbytes)
+            )
             return fn(*args, **kwargs)
 
         return spy
@@ -98,5 +141,5 @@ class CommSpy:
 
     def nbytes(self, **kw) -> int:
         """Bytes the selected calls carry (their first tensor's)."""
-        return sum(e[4] for e in self.select(**kw))
+        return sum(e[6] for e in self.select(**kw))
 

@@ -8,7 +8,8 @@ A bucket has two tensors:
   flight: allocated when the first gradient of a backward arrives, freed once the
   reduce-scatter that consumed it has finished.
 - ``shard``: 1-D, ``shard_numel`` elements in the reduce dtype: the average over ranks
-  of this rank's chunk of ``full``, accumulated over reduce-scatters until `zero`.
+  of this rank's chunk of ``full``, accumulated over reduce-scatters until `zero` (with
+  hybrid sharding, over every rank: see `zerolite.hybrid`).
 
 `launch` starts the reduce-scatter of ``full``; `wait` finishes it and adds the result
 into ``shard``. Exactly one of the two persists between steps (``keep_full``): stage 1
@@ -23,6 +24,7 @@ import torch
 
 from zerolite.collectives import Group, Pending, reduce_scatter_avg
 from zerolite.flat_buffer import FlatParamBuffer
+from zerolite.hybrid import average_across_replicas
 from zerolite.owned_collectives import reduce_to_owners
 from zerolite.quantize import WireFormat
 from zerolite.quantized_collectives import quantized_reduce_scatter_avg
@@ -161,13 +163,15 @@ class GradBucket:
         key = 2 * self.flat.index
         sizes = self.flat.layout.chunk_sizes  # whole-tensor ownership: uneven chunks
         if sizes is not None:
-            self._pending = reduce_to_owners(send, out, sizes, self.group, key=key, what=what)
+            pending = reduce_to_owners(send, out, sizes, self.group, key=key, what=what)
         elif self.wire is not None:
-            self._pending = quantized_reduce_scatter_avg(
+            pending = quantized_reduce_scatter_avg(
                 send, out, self.wire, self.residual, self.group, key=key, what=what
             )
         else:
-            self._pending = reduce_scatter_avg(send, out, self.group, key=key, what=what)
+            pending = reduce_scatter_avg(send, out, self.group, key=key, what=what)
+        # Hybrid sharding: then the mean across replica groups (no-op when flat).
+        self._pending = average_across_replicas(pending, out, self.group, what=what)
         self._result, self._sent = out, send
         self._reset_arrivals()
         self.unreduced = False

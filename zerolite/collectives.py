@@ -110,6 +110,14 @@ class Group:
         self.step = 0
         self.forwards = 0
 
+    # Hybrid sharding (`zerolite.hybrid`): this shard group's replica group; None when flat.
+    replicas: Group | None = None
+
+    @property
+    def world(self) -> Group:
+        """Every data-parallel rank: the group itself unless hybrid (`zerolite.hybrid`)."""
+        return self
+
     def next_sequence(self) -> int:
         self.sequence += 1
         return self.sequence

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = ["ZeroConfig"]
 
@@ -65,6 +66,21 @@ def _parse_number(field: str, raw: str, kind: type) -> Any:
     except ValueError:
         raise ValueError(
             f"ZeroConfig.{field}: environment value {raw!r} is not a {kind.__name__}"
+        ) from None
+
+
+def _parse_group_size(raw: str) -> int | str | None:
+    key = raw.strip().lower()
+    if key in ("", "none"):
+        return None
+    if key == "node":
+        return "node"
+    try:
+        return int(key)
+    except ValueError:
+        raise ValueError(
+            f"ZeroConfig.shard_group_size: environment value {raw!r} is not 'none', 'node' or an "
+            "int"
         ) from None
 
 
@@ -128,6 +144,7 @@ _ENV_FIELDS: dict[str, tuple[str, Callable[[str], Any], Any]] = {
         lambda s: _parse_bool("error_feedback", s),
         True,
     ),
+    "shard_group_size": ("ZEROLITE_SHARD_GROUP_SIZE", lambda s: _parse_group_size(s), None),
 }
 
 # quant_block bounds: a block's fp32 scale costs 4/quant_block bytes per element.
@@ -156,7 +173,10 @@ class ZeroConfig:
             in MiB of ``param_dtype`` elements; a parameter larger than this gets a
             buffer of its own. Env: ``ZEROLITE_BUCKET_SIZE_MB``.
         process_group: the data-parallel group; ``None`` is the default group (or a
-            single process when ``torch.distributed`` is not initialised).
+            single process when ``torch.distributed`` is not initialised). A 2-D
+            ``torch.distributed.device_mesh.DeviceMesh`` (replicate x shard) shards along
+            its second dimension and replicates along its first (hybrid sharding, see
+            ``shard_group_size``).
         device: where flat buffers live; ``None`` keeps the parameters' own device.
             Env: ``ZEROLITE_DEVICE``.
         elementwise_optimizers: optimizer classes, beyond zerolite's allow-list, that
@@ -195,6 +215,12 @@ class ZeroConfig:
         offload_fraction: the fraction, in (0, 1], of this rank's shard elements whose
             state is offloaded, rounded up to whole parameter pieces (the first pieces in
             layout order). Env: ``ZEROLITE_OFFLOAD_FRACTION``.
+        shard_group_size: hybrid sharding (`zerolite.hybrid`). ``None``: shard over the
+            whole data-parallel group. An int k: shard within consecutive groups of k ranks
+            (ranks 0..k-1, k..2k-1, ...) and replicate across the groups; gradients are
+            reduce-scattered within a group, then each shard is all-reduced across the
+            groups. ``"node"``: k = ``LOCAL_WORLD_SIZE`` (shard within a machine). k must
+            divide the world size. Env: ``ZEROLITE_SHARD_GROUP_SIZE`` (``none``, ``node``, k).
         init_fn: for a model built under ``torch.device("meta")`` only: called as
             ``init_fn(module)`` on every module (children before parents, as
             ``nn.Module.apply``) once its parameters have storage, instead of each
@@ -234,7 +260,7 @@ class ZeroConfig:
     param_dtype: torch.dtype = _UNSET
     reduce_dtype: torch.dtype | None = _UNSET
     bucket_size_mb: float = _UNSET
-    process_group: dist.ProcessGroup | None = None
+    process_group: dist.ProcessGroup | DeviceMesh | None = None
     device: torch.device | None = _UNSET
     elementwise_optimizers: tuple[type[torch.optim.Optimizer], ...] = ()
     unit_modules: tuple[type[torch.nn.Module], ...] | Callable[[torch.nn.Module], bool] | None = (
@@ -247,6 +273,7 @@ class ZeroConfig:
     offload: str | None = _UNSET
     offload_dir: str | None = _UNSET
     offload_fraction: float = _UNSET
+    shard_group_size: int | str | None = _UNSET
     init_fn: Callable[[torch.nn.Module], None] | None = None
     partition: str = _UNSET
     quantize_gather: bool = _UNSET
@@ -317,11 +344,32 @@ class ZeroConfig:
                 "(floats allowed, e.g. 0.5)"
             )
         object.__setattr__(self, "bucket_size_mb", float(size))
-        if self.process_group is not None and not isinstance(self.process_group, dist.ProcessGroup):
+        pg = self.process_group
+        if pg is not None and not isinstance(pg, (dist.ProcessGroup, DeviceMesh)):
             raise ValueError(
-                f"ZeroConfig.process_group: got {type(self.process_group).__name__}; allowed: None "
-                "or a torch.distributed.ProcessGroup"
+                f"ZeroConfig.process_group: got {type(pg).__name__}; allowed: None, a "
+                "torch.distributed.ProcessGroup or a 2-D DeviceMesh (replicate x shard)"
             )
+        k = self.shard_group_size
+        whole = isinstance(k, int) and not isinstance(k, bool)
+        if k is not None and k != "node" and not (whole and k >= 1):
+            raise ValueError(
+                f"ZeroConfig.shard_group_size: got {k!r}; allowed: None (shard over every rank), "
+                "an int k >= 1 dividing the world size, or 'node' (k = LOCAL_WORLD_SIZE)"
+            )
+        if isinstance(pg, DeviceMesh):
+            if pg.ndim != 2:
+                raise ValueError(
+                    f"ZeroConfig.process_group: a DeviceMesh with {pg.ndim} dimension(s) (shape "
+                    f"{tuple(pg.shape)}); allowed: a 2-D mesh (replicate, shard), e.g. "
+                    "init_device_mesh('cuda', (nodes, gpus_per_node))"
+                )
+            if k is not None and k != pg.shape[1]:
+                raise ValueError(
+                    f"ZeroConfig.shard_group_size: got {k!r} with a DeviceMesh of shape "
+                    f"{tuple(pg.shape)}, whose shard dimension has {pg.shape[1]} ranks; leave "
+                    "shard_group_size unset (None) or give the mesh's"
+                )
         if self.device is not None:
             try:
                 object.__setattr__(self, "device", torch.device(self.device))

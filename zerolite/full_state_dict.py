@@ -37,7 +37,7 @@ def full_state_dict(
     """
     state = state_of(model)
     scheduler = None if state is None else state.scheduler
-    rank = scheduler.group.rank if scheduler is not None else _rank()
+    rank = scheduler.group.world.rank if scheduler is not None else _rank()
     keep = not rank0_only or rank == 0
     items = {}
     for name, tensor in iter_full_state_dict(model, to_cpu=to_cpu):

@@ -41,7 +41,7 @@ def gathered_parameters(model: nn.Module, modifier_rank: int | None = None) -> I
             discarded on exit in stage 3 (and must be identical on every rank in stages 1-2).
     """
     state = require_state(model, "gathered_parameters()")
-    world = state.group.size
+    world = state.group.world.size
     if modifier_rank is not None and (
         isinstance(modifier_rank, bool)
         or not isinstance(modifier_rank, int)
@@ -73,7 +73,7 @@ def gathered_parameters(model: nn.Module, modifier_rank: int | None = None) -> I
                 broadcast(
                     flat.data,
                     modifier_rank,
-                    state.group,
+                    state.group.world,
                     what="gathered_parameters()'s broadcast of the edits",
                 )
                 lo, hi = flat.layout.shard_range(flat.rank)

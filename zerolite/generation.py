@@ -79,6 +79,7 @@ def install_synced_generate(model: nn.Module, group: Group) -> list[SyncedGenera
     Returns:
         One handle per module changed (`SyncedGenerate.remove` undoes it).
     """
+    group = group.world  # hybrid: a generation step syncs every rank, not a shard group
     if group.size <= 1 or not dist.is_initialized() or dist.get_world_size() != group.size:
         return []
     installed = []

@@ -173,7 +173,10 @@ class GradReducer:
                 torch.tensor([unreduced]),
                 torch.tensor([v for c in counters for v in (c, -c)]),
             ]).to(torch.int64)
-            all_reduce(flags, self.group, dist.ReduceOp.MAX, what="step()'s gradient agreement")
+            # Over every rank (hybrid: all replica groups too), since all of them reduce.
+            all_reduce(
+                flags, self.group.world, dist.ReduceOp.MAX, what="step()'s gradient agreement"
+            )
             _check_lockstep(self.group, flags[-6:].tolist())
             if flags[-7]:
                 self.flush()

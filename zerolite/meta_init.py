@@ -62,6 +62,7 @@ from zerolite import phase_events
 from zerolite.collectives import Group, broadcast
 from zerolite.config import ZeroConfig
 from zerolite.flat_buffer import FlatParamBuffer
+from zerolite.hybrid import data_parallel_group
 from zerolite.shard_state import state_of
 
 __all__ = [
@@ -126,7 +127,7 @@ def mark_loaded(model: nn.Module, names: list[str] | None) -> None:
 
 def materialize_device(config: ZeroConfig) -> torch.device:
     """Where a meta-built model is materialised when ``config.device`` is None."""
-    if Group(config.process_group).backend == "nccl":
+    if Group(data_parallel_group(config)).backend == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 

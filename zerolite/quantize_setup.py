@@ -22,15 +22,25 @@ from zerolite.quantize import WireFormat
 __all__ = ["describe_quantization", "install_quantization", "residual_numel"]
 
 
-def describe_quantization(config: ZeroConfig, model: nn.Module, partition: str) -> list[str]:
+def describe_quantization(
+    config: ZeroConfig, model: nn.Module, partition: str, hybrid: bool
+) -> list[str]:
     """The quantization settings as agreement lines ([] when nothing is quantized).
 
     Raises:
-        ValueError: a ``quantize_skip`` name is not a parameter of ``model``, or whole-tensor
-            ownership (``partition == "tensor"``) was asked for.
+        ValueError: a ``quantize_skip`` name is not a parameter of ``model``; whole-tensor
+            ownership (``partition == "tensor"``) or hybrid sharding was asked for too.
     """
     if not config.quantizes:
         return []
+    if hybrid:
+        # The replica all-reduce after a quantized reduce-scatter is untested, and quantizing
+        # the cross-node step (where it pays) is not built yet.
+        raise ValueError(
+            "ZeroConfig.quantize_gather / quantize_reduce are not supported with hybrid "
+            f"sharding (shard_group_size={config.shard_group_size!r}) yet; use "
+            "shard_group_size=None, or turn quantization off"
+        )
     if partition == "tensor":
         # Owned tensors travel in uneven per-owner chunks, which the block codec's
         # equal-chunk messages do not cover.

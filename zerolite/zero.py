@@ -36,6 +36,7 @@ from zerolite.consensus import agreed
 from zerolite.flat_buffer import FlatParamBuffer
 from zerolite.grad_reducer import GradReducer
 from zerolite.hooks import KeepFullGrads, ShardGradsInBackward
+from zerolite.hybrid import data_parallel_group, shard_group_size, sharding_group
 from zerolite.meta_init import (
     check_before_first_forward,
     materialize,
@@ -104,16 +105,27 @@ def shard(
         loss = model(x).sum(); loss.backward(); opt.step(); opt.zero_grad()
     """
     config = ZeroConfig() if config is None else config
-    group = Group(config.process_group, collectives=config.collectives, timeout_s=config.timeout_s)
+    world = Group(
+        data_parallel_group(config), collectives=config.collectives, timeout_s=config.timeout_s
+    )
     plan: ShardPlan | None = None
+    k: int | None = None
     # Raises on every rank if any rank failed or ranks describe different plans.
-    with agreed("zerolite.shard()", group) as lines:
+    with agreed("zerolite.shard()", world) as lines:
         if isinstance(optimizer, (list, tuple)):
             optimizer = MultiOptimizer(optimizer)
+        k = shard_group_size(config, world.size)
+        lines.append(f"shard_group_size: {k or world.size} of {world.size} ranks")
         plan = plan_layout(model, optimizer, config)
         lines += plan.describe(config, optimizer, model)
-        lines += describe_quantization(config, model, plan.partition)
-        offload = plan_offload(plan, optimizer, config, group)
+        lines += describe_quantization(
+            config, model, plan.partition, hybrid=k is not None and k < world.size
+        )
+    group = sharding_group(world, k, config)
+    offload = None
+    # The tier is laid out over this rank's shard group; a bad directory raises on every rank.
+    with agreed("zerolite.shard() (offload)", world):
+        offload = plan_offload(cast(ShardPlan, plan), optimizer, config, group)
     digest = hashlib.sha256("\n".join(lines).encode()).hexdigest()
     with phase_events.phase("build"):
         sharded = _build(
@@ -152,7 +164,7 @@ def _build(
         all_flats, meta_build = materialize(
             model, all_flat_params, closed_by, make_flat,
             param_dtype=config.param_dtype, device=plan.device, shard=policy.shards_parameters,
-            init_fn=config.init_fn, group=group,
+            init_fn=config.init_fn, group=group.world,
         )
     else:
         # Every rank starts from rank 0's values, as with DDP.
@@ -161,7 +173,7 @@ def _build(
             broadcast(
                 flat.data,
                 0,
-                group,
+                group.world,
                 what=f"shard()'s broadcast of rank 0's flat buffer {flat.index}",
             )
         if policy.shards_parameters:
@@ -172,7 +184,7 @@ def _build(
         in_flats = {id(p) for flat in all_flats for p in flat.params}
         unsharded = [p for p in model.parameters() if id(p) not in in_flats]
         broadcast_coalesced(
-            [*unsharded, *model.buffers()], 0, group,
+            [*unsharded, *model.buffers()], 0, group.world,
             what="shard()'s broadcast of rank 0's unsharded parameters and buffers",
         )
     flats, frozen_flats = all_flats[: len(plan.flat_params)], all_flats[len(plan.flat_params) :]
@@ -243,7 +255,7 @@ def _build(
     state.optimizer = sharded
     register(model, state)
     numel = sum(flat.numel for flat in flats)
-    if group.rank == 0:
+    if group.world.rank == 0:
         logger.info(
             "zerolite: stage %d (partition %s) sharded %d parameters (%d elements) into %d flat "
             "buffers across %d ranks",

@@ -223,9 +223,11 @@ def load(
     """Restore ``model``, ``optimizer`` and ``schedulers`` from checkpoint ``path``.
 
     Every rank must call. Works at any world size, stage and bucket size relative to
-    the save. RNG states (CPU, and CUDA where the save had it and CUDA is available)
-    are restored per rank when the world size is unchanged; otherwise every rank reseeds
-    CPU and CUDA deterministically from the saved rank-0 state and its new rank. Loaded
+    the save, hybrid sharding included (`zerolite.hybrid`). RNG states (CPU, and CUDA where
+    the save had it and CUDA is available) are restored per rank when the world size is
+    unchanged and the save was not hybrid (a hybrid save holds the first replica group's
+    states only); otherwise every rank reseeds CPU and CUDA deterministically from the
+    saved rank-0 state and its new rank. Loaded
     optimizer state is held in its own storage, exactly as a fresh
     shard's (nothing of the saved files stays referenced).
 
@@ -273,7 +275,8 @@ def _read_checked_index(path: Path, rank: int, world_size: int) -> dict[str, Any
 def _load(
     path: Path, model: nn.Module, optimizer: ShardedOptimizer, schedulers: Sequence[Any]
 ) -> Any:
-    group = optimizer.group
+    shards = optimizer.group
+    group = shards.world  # every rank agrees; hybrid replicas read the same ranges
     # A peer's failure is raised as CheckpointError here too (the documented type).
     with agreed("zerolite.checkpoint.load() (verifying files)", group, peer_error=CheckpointError):
         if optimizer.model is not model and not _holds_parameters_of(model, optimizer):
@@ -333,7 +336,10 @@ def _load(
                     )
                 values = source.read(frozen.name, frozen.param_start, frozen.param_end)
                 frozen_pieces.append((frozen.shard, values))
-            same_world = index["world_size"] == group.size
+            # Each rank's own generator state exists only for a flat save at this world size.
+            same_world = (
+                index["world_size"] == group.size and index.get("replicas", 1) == 1
+            )
             rng_file = path / index["files"][group.rank if same_world else 0]["file"]
             with safe_open(rng_file, framework="pt") as f:
                 rng = f.get_tensor("rng/cpu")
@@ -363,7 +369,7 @@ def _load(
     apply_residuals(residuals)
     optimizer.publish_masters()
     if rng is not None:
-        if index["world_size"] == group.size:
+        if same_world:
             torch.set_rng_state(rng)
             if cuda_rng is not None and torch.cuda.is_available():
                 torch.cuda.set_rng_state(cuda_rng)  # the current device's, as saved

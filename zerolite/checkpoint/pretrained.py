@@ -165,7 +165,9 @@ def load_pretrained(
 def _load(
     model: nn.Module, opt, files: str | os.PathLike | Sequence[str | os.PathLike], strict: bool
 ) -> None:  # noqa: ANN001
-    with agreed("zerolite.checkpoint.load_pretrained()", opt.group, peer_error=CheckpointError):
+    with agreed(
+        "zerolite.checkpoint.load_pretrained()", opt.group.world, peer_error=CheckpointError
+    ):
         paths, mapped = _files(files)
         plan, loaded = _plan(model, opt, _locate(paths, mapped), strict)
     for target, values in plan:

@@ -24,7 +24,10 @@ step 1 and runs steps 2-4 in a background thread, the ranks agreeing through mar
 files instead of collectives (`zerolite.checkpoint.async_save`).
 
 Every rank must call `save`; ranks learn of each other's failures at each phase, so a
-failed rank never leaves the others waiting. Several machines need a shared filesystem
+failed rank never leaves the others waiting. With hybrid sharding (`zerolite.hybrid`)
+the first replica group writes the files (one per shard rank: its replicas hold the same
+shards) and the other ranks only take part in the agreements; "rank 0" above is the
+first rank of the whole data-parallel group. Several machines need a shared filesystem
 (with working ``flock``; without it the save warns and goes on unlocked).
 """
 
@@ -109,6 +112,8 @@ def _index(
         "version": VERSION,
         "zerolite_version": __version__,
         "world_size": opt.group.size,
+        # Hybrid sharding: replica groups at save, each holding all world_size shards.
+        "replicas": opt.group.world.size // opt.group.size,
         "stage": opt.config.stage,
         "param_dtype": dtype_name(opt.config.param_dtype),
         "reduce_dtype": None
@@ -188,11 +193,16 @@ def save(
             naming the failed rank and file).
     """
     path = Path(path)
-    group = optimizer.group
+    group = optimizer.group.world
     with agreed("zerolite.checkpoint.save()", group):
         finish_in_flight()
         if not isinstance(blocking, bool):
             raise TypeError(f"checkpoint.save(): blocking must be a bool, got {blocking!r}")
+        if not blocking and optimizer.group.replicas is not None:
+            raise ValueError(
+                "checkpoint.save(blocking=False) is not supported with hybrid sharding "
+                "(ZeroConfig.shard_group_size) yet; save with blocking=True"
+            )
         problem = checkpoint_name_problem(path.name)
         if problem is not None:
             raise ValueError(
@@ -300,22 +310,28 @@ def _write_and_commit(
     token: str,
 ) -> None:
     """Phases 2-4 of the module docstring after the directory exists; every rank calls,
-    rank 0 holds the lock."""
-    group = optimizer.group
+    rank 0 holds the lock. Hybrid sharding: the first replica group writes (its replicas
+    hold the same shards); the others only agree."""
+    group = optimizer.group.world
+    shards = optimizer.group
+    writes = shards.replicas is None or shards.replicas.rank == 0
+    record = b""
     with agreed("zerolite.checkpoint.save() (writing shards)", group):
-        file = rank_file(model, optimizer)
-        tensors = {k: v.contiguous().cpu() for k, v in file.tensors.items()}
-        slots = layout(tensors)
-        size, sha = write_shard(
-            tmp / file.file, slots, [as_bytes(tensors[s.key]) for s in slots], group.rank,
-            file.metadata,
-        )
-        del tensors
-        record = json.dumps(file.record(size, sha)).encode()
+        if writes:
+            file = rank_file(model, optimizer)
+            tensors = {k: v.contiguous().cpu() for k, v in file.tensors.items()}
+            slots = layout(tensors)
+            size, sha = write_shard(
+                tmp / file.file, slots, [as_bytes(tensors[s.key]) for s in slots], file.rank,
+                file.metadata,
+            )
+            del tensors
+            record = json.dumps(file.record(size, sha)).encode()
     records = all_gather_bytes(record, group, what="checkpoint.save() (collecting file records)")
     with agreed("zerolite.checkpoint.save() (committing)", group):
         if group.rank == 0:
-            commit_checkpoint(path, tmp, index, [json.loads(r) for r in records], overwrite, token)
+            files = sorted((json.loads(r) for r in records if r), key=lambda f: f["rank"])
+            commit_checkpoint(path, tmp, index, files, overwrite, token)
 
 
 def latest(root: str | os.PathLike) -> Path | None:

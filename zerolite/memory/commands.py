@@ -60,6 +60,9 @@ def add_estimate_arguments(parser: argparse.ArgumentParser) -> None:
                              "mixed-precision accounting)")
     parser.add_argument("--reduce-dtype", choices=sorted(_DTYPES), default=None,
                         help="gradient dtype (default: --dtype)")
+    parser.add_argument("--shard-group-size", type=_world_size, default=None, metavar="K",
+                        help="hybrid sharding: shard over groups of K ranks (e.g. the GPUs "
+                             "per machine), replicate across them (default: all ranks)")
     # The names the estimator knows state layouts for: one registry, so the two cannot drift.
     parser.add_argument("--optimizer", default="adamw", choices=sorted(NAMED))
     parser.add_argument("--offload", choices=["disk", "host"], default=None,
@@ -119,7 +122,9 @@ def run_estimate(args: argparse.Namespace) -> int:
         count = sum(p.numel() for p in subject.parameters())
     else:
         subject = count = args.params
-    print(f"{count:,} parameters, {args.world_size} ranks, {args.dtype} parameters, "
+    hybrid = {} if args.shard_group_size is None else {"shard_group_size": args.shard_group_size}
+    shards = f" sharded in groups of {args.shard_group_size}" if hybrid else ""
+    print(f"{count:,} parameters, {args.world_size} ranks{shards}, {args.dtype} parameters, "
           f"{args.reduce_dtype or args.dtype} gradients, {args.optimizer}; decimal GB per rank")
     offload = args.offload
     if offload is not None:
@@ -135,7 +140,7 @@ def run_estimate(args: argparse.Namespace) -> int:
         config = ZeroConfig(
             stage=stage, param_dtype=dtype, reduce_dtype=reduce,
             offload=None if ddp else offload, offload_fraction=args.offload_fraction,
-            offload_dir=tempfile.gettempdir() if offload == "disk" else None,
+            offload_dir=tempfile.gettempdir() if offload == "disk" else None, **hybrid,
         )
         target = count if ddp else subject
         b: MemoryBreakdown = estimate(

@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from zerolite.config import ZeroConfig
+from zerolite.hybrid import shard_group_size
 from zerolite.layout import FlatLayout
 from zerolite.memory.footprint import MemoryBreakdown, formula, layout_imbalance
 from zerolite.optim.multi import inner_optimizers
@@ -169,11 +170,13 @@ def estimate(
             the result is `formula`, without padding; transient 0).
         world_size: N.
         config: the `ZeroConfig` (``stage=0`` means DDP, count only); None is ``ZeroConfig()``.
+            Its ``shard_group_size`` k (hybrid sharding) shards states over k of the N ranks.
         optimizer: the optimizer instance `shard()` will receive (built on this model; a
             ``zerolite.optim.multi.MultiOptimizer`` of several), or one of ``"adamw"``,
             ``"adam"``, ``"sgd"``, ``"sgd_momentum"``, ``"adagrad"``,
             ``"rmsprop"`` (default hyperparameters, over all the model's parameters).
-        rank: whose shard to count (pieces and so scalar state differ slightly by rank).
+        rank: whose shard to count (pieces and so scalar state differ slightly by rank;
+            with hybrid sharding, world rank r holds shard r mod k).
     Returns:
         A `MemoryBreakdown`; its four model-state fields equal ``footprint(opt)`` after
         ``opt = shard(model, optimizer, config)`` on that rank.
@@ -181,13 +184,16 @@ def estimate(
     config = ZeroConfig() if config is None else config
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"estimate(): world_size must be an int >= 1, got {world_size!r}")
+    # Hybrid sharding: every layout below is over the k ranks of a shard group.
+    shards = shard_group_size(config, world_size) or world_size
     if not isinstance(model_or_count, nn.Module):
         return formula(_count(model_or_count), world_size=world_size, stage=config.stage,
                        param_dtype=config.param_dtype, reduce_dtype=config.reduce_dtype,
                        optimizer=_formula_name(optimizer), offload=config.offload,
                        offload_fraction=config.offload_fraction,
                        quantize_gather=config.quantize_gather,
-                       error_feedback=config.quantize_reduce and config.error_feedback)
+                       error_feedback=config.quantize_reduce and config.error_feedback,
+                       shard_group_size=None if shards == world_size else shards)
     if config.stage == 0:
         raise ValueError("stage=0 (DDP) is estimated from a count: estimate(num_params, ...)")
     model = model_or_count
@@ -197,21 +203,21 @@ def estimate(
         opt = optimizer
     plan = plan_layout(model, opt, config)
     owners = (
-        assign_owners(plan, world_size)
+        assign_owners(plan, shards)
         if plan.partition == "tensor"
         else [None] * len(plan.flat_params)
     )
     root_last = STAGES[config.stage].shards_parameters  # the last buffer is the root unit's
     buffers = [
         _Buffer(
-            FlatLayout(tuple(p.numel() for _, p in params), world_size, owners[b]),
+            FlatLayout(tuple(p.numel() for _, p in params), shards, owners[b]),
             [plan.group_of[id(p)] for _, p in params],
             root=root_last and b == len(plan.flat_params) - 1,
         )
         for b, params in enumerate(plan.flat_params)
     ]
     frozen = [
-        FlatLayout(tuple(p.numel() for _, p in params), world_size)
+        FlatLayout(tuple(p.numel() for _, p in params), shards)
         for params in plan.frozen_flat_params
     ]
     managed = {id(p) for params in plan.all_flat_params for _, p in params}
@@ -222,9 +228,10 @@ def estimate(
         fields = [state_fields(opt, g, torch.device("cpu")) for g in opt.param_groups]
         offload = offload_layout(
             [b.layout.numels for b in buffers], [b.groups for b in buffers], fields,
-            config=config, rank=rank, world_size=world_size,
+            config=config, rank=rank % shards, world_size=shards,
         )
-    return _breakdown(buffers, opt, config, rank, unmanaged, frozen, offload)
+    # A world rank's shard is its rank within its shard group (consecutive blocks of k).
+    return _breakdown(buffers, opt, config, rank % shards, unmanaged, frozen, offload)
 
 
 def _count(value: object) -> int:

@@ -187,6 +187,7 @@ def formula(
     offload_fraction: float = 1.0,
     quantize_gather: bool = False,
     error_feedback: bool = False,
+    shard_group_size: int | None = None,
 ) -> MemoryBreakdown:
     """DESIGN §3's per-rank model states for ``num_params`` parameters, without padding.
 
@@ -204,6 +205,8 @@ def formula(
             master becomes a 4-byte copy).
         error_feedback: ``ZeroConfig.quantize_reduce`` with ``error_feedback``: a 4-byte
             residual per parameter and other rank, 4 (N-1)/N bytes per parameter.
+        shard_group_size: k, hybrid sharding (`zerolite.hybrid`): states are sharded over
+            k ranks, not N (stage 3 in fp32 with Adam: 16Ψ/k); None means N.
     Returns:
         A `MemoryBreakdown` with ``transient = 0``. Example: 7.5e9 parameters, N=64,
         bf16, stages 0-3 give 120, 31.4, 16.6 and 1.88 GB of model states.
@@ -212,6 +215,12 @@ def formula(
         raise ValueError(f"stage must be 0 (DDP), 1, 2 or 3, got {stage!r}")
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size!r}")
+    k = world_size if shard_group_size is None else shard_group_size
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1 or k > world_size or world_size % k:
+        raise ValueError(
+            f"shard_group_size must be None or an int k >= 1 dividing world_size={world_size}, "
+            f"got {shard_group_size!r}"
+        )
     if optimizer not in STATE_BYTES_PER_PARAM:
         raise ValueError(
             f"optimizer must be one of {sorted(STATE_BYTES_PER_PARAM)}, got {optimizer!r}"
@@ -220,7 +229,7 @@ def formula(
     psi = Fraction(num_params)
 
     def held(sharded: bool) -> Fraction:  # elements per rank
-        return psi / world_size if sharded else psi
+        return psi / k if sharded else psi
 
     p = torch.empty(0, dtype=param_dtype).element_size()
     kept_grad_dtype = policy.grad_dtype(param_dtype, reduce_dtype or param_dtype)

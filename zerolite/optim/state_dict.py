@@ -149,7 +149,7 @@ def _check(opt: ShardedOptimizer, state_dict: dict[str, Any]) -> None:
 @torch.no_grad()
 def load_sharded_state_dict(opt: ShardedOptimizer, state_dict: dict[str, Any]) -> None:
     """Load this rank's dict (every rank must call, each with its own rank's dict)."""
-    with agreed("ShardedOptimizer.load_state_dict()", opt.group, [opt.layout_digest]):
+    with agreed("ShardedOptimizer.load_state_dict()", opt.group.world, [opt.layout_digest]):
         if opt.shard_state.offload is not None:
             raise RuntimeError(
                 "load_state_dict() is for in-memory state, and this model offloads it "
