@@ -12,147 +12,22 @@ import dataclasses
 import math
 import os
 from collections.abc import Callable
-from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from zerolite.config_env import (
+    ALLOWED_DTYPES,
+    COLLECTIVES,
+    ENV_FIELDS,
+    OFFLOAD_TIERS,
+    PARTITIONS,
+    QUANT_BLOCK_RANGE,
+    UNSET,
+)
+
 __all__ = ["ZeroConfig"]
-
-_DTYPES: dict[str, torch.dtype] = {
-    "fp32": torch.float32,
-    "float32": torch.float32,
-    "bf16": torch.bfloat16,
-    "bfloat16": torch.bfloat16,
-    "fp16": torch.float16,
-    "float16": torch.float16,
-}
-_ALLOWED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-class _Unset:
-    """Marks a field the caller did not pass, so the environment may fill it."""
-
-    def __repr__(self) -> str:
-        return "<unset>"
-
-
-_UNSET: Any = _Unset()
-
-
-def _parse_dtype(field: str, raw: str) -> torch.dtype:
-    key = raw.strip().lower().removeprefix("torch.")
-    if key not in _DTYPES:
-        raise ValueError(
-            f"ZeroConfig.{field}: environment value {raw!r} is not a dtype; "
-            f"use one of {sorted(_DTYPES)}"
-        )
-    return _DTYPES[key]
-
-
-def _parse_bool(field: str, raw: str) -> bool:
-    key = raw.strip().lower()
-    if key in ("1", "true", "yes", "on"):
-        return True
-    if key in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(f"ZeroConfig.{field}: environment value {raw!r} is not a boolean (use 0 or 1)")
-
-
-def _parse_number(field: str, raw: str, kind: type) -> Any:
-    try:
-        return kind(raw)
-    except ValueError:
-        raise ValueError(
-            f"ZeroConfig.{field}: environment value {raw!r} is not a {kind.__name__}"
-        ) from None
-
-
-def _parse_group_size(raw: str) -> int | str | None:
-    key = raw.strip().lower()
-    if key in ("", "none"):
-        return None
-    if key == "node":
-        return "node"
-    try:
-        return int(key)
-    except ValueError:
-        raise ValueError(
-            f"ZeroConfig.shard_group_size: environment value {raw!r} is not 'none', 'node' or an "
-            "int"
-        ) from None
-
-
-# field -> (environment variable, parser of its text, default)
-_ENV_FIELDS: dict[str, tuple[str, Callable[[str], Any], Any]] = {
-    "stage": ("ZEROLITE_STAGE", lambda s: _parse_number("stage", s, int), 2),
-    "param_dtype": (
-        "ZEROLITE_PARAM_DTYPE",
-        lambda s: _parse_dtype("param_dtype", s),
-        torch.float32,
-    ),
-    "reduce_dtype": (
-        "ZEROLITE_REDUCE_DTYPE",
-        lambda s: None if s.strip().lower() in ("", "none") else _parse_dtype("reduce_dtype", s),
-        None,
-    ),
-    "bucket_size_mb": (
-        "ZEROLITE_BUCKET_SIZE_MB",
-        lambda s: _parse_number("bucket_size_mb", s, float),
-        25.0,
-    ),
-    "device": ("ZEROLITE_DEVICE", lambda s: torch.device(s), None),
-    "prefetch": ("ZEROLITE_PREFETCH", lambda s: _parse_number("prefetch", s, int), 1),
-    "reshard_after_forward": (
-        "ZEROLITE_RESHARD_AFTER_FORWARD",
-        lambda s: _parse_bool("reshard_after_forward", s),
-        True,
-    ),
-    "collectives": ("ZEROLITE_COLLECTIVES", lambda s: s.strip().lower(), "auto"),
-    "timeout_s": ("ZEROLITE_TIMEOUT_S", lambda s: _parse_number("timeout_s", s, float), 600.0),
-    "partition": ("ZEROLITE_PARTITION", lambda s: s.strip().lower(), "auto"),
-    "offload": (
-        "ZEROLITE_OFFLOAD",
-        lambda s: None if s.strip().lower() in ("", "none") else s.strip().lower(),
-        None,
-    ),
-    "offload_dir": ("ZEROLITE_OFFLOAD_DIR", lambda s: s or None, None),
-    "offload_fraction": (
-        "ZEROLITE_OFFLOAD_FRACTION",
-        lambda s: _parse_number("offload_fraction", s, float),
-        1.0,
-    ),
-    "quantize_gather": (
-        "ZEROLITE_QUANTIZE_GATHER",
-        lambda s: _parse_bool("quantize_gather", s),
-        False,
-    ),
-    "quantize_reduce": (
-        "ZEROLITE_QUANTIZE_REDUCE",
-        lambda s: _parse_bool("quantize_reduce", s),
-        False,
-    ),
-    "quant_block": ("ZEROLITE_QUANT_BLOCK", lambda s: _parse_number("quant_block", s, int), 256),
-    "quantize_skip": (
-        "ZEROLITE_QUANTIZE_SKIP",
-        lambda s: tuple(name.strip() for name in s.split(",") if name.strip()),
-        (),
-    ),
-    "error_feedback": (
-        "ZEROLITE_ERROR_FEEDBACK",
-        lambda s: _parse_bool("error_feedback", s),
-        True,
-    ),
-    "shard_group_size": ("ZEROLITE_SHARD_GROUP_SIZE", lambda s: _parse_group_size(s), None),
-}
-
-# quant_block bounds: a block's fp32 scale costs 4/quant_block bytes per element.
-QUANT_BLOCK_RANGE = (16, 1 << 20)
-
-COLLECTIVES = ("auto", "native", "point_to_point")
-PARTITIONS = ("flat", "tensor", "auto")
-OFFLOAD_TIERS = (None, "disk", "host")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -256,31 +131,31 @@ class ZeroConfig:
             message names the field, the value and what is allowed.
     """
 
-    stage: int = _UNSET
-    param_dtype: torch.dtype = _UNSET
-    reduce_dtype: torch.dtype | None = _UNSET
-    bucket_size_mb: float = _UNSET
+    stage: int = UNSET
+    param_dtype: torch.dtype = UNSET
+    reduce_dtype: torch.dtype | None = UNSET
+    bucket_size_mb: float = UNSET
     process_group: dist.ProcessGroup | DeviceMesh | None = None
-    device: torch.device | None = _UNSET
+    device: torch.device | None = UNSET
     elementwise_optimizers: tuple[type[torch.optim.Optimizer], ...] = ()
     unit_modules: tuple[type[torch.nn.Module], ...] | Callable[[torch.nn.Module], bool] | None = (
         None
     )
-    prefetch: int = _UNSET
-    reshard_after_forward: bool = _UNSET
-    collectives: str = _UNSET
-    timeout_s: float = _UNSET
-    offload: str | None = _UNSET
-    offload_dir: str | None = _UNSET
-    offload_fraction: float = _UNSET
-    shard_group_size: int | str | None = _UNSET
+    prefetch: int = UNSET
+    reshard_after_forward: bool = UNSET
+    collectives: str = UNSET
+    timeout_s: float = UNSET
+    offload: str | None = UNSET
+    offload_dir: str | None = UNSET
+    offload_fraction: float = UNSET
+    shard_group_size: int | str | None = UNSET
     init_fn: Callable[[torch.nn.Module], None] | None = None
-    partition: str = _UNSET
-    quantize_gather: bool = _UNSET
-    quantize_reduce: bool = _UNSET
-    quant_block: int = _UNSET
-    quantize_skip: tuple[str, ...] = _UNSET
-    error_feedback: bool = _UNSET
+    partition: str = UNSET
+    quantize_gather: bool = UNSET
+    quantize_reduce: bool = UNSET
+    quant_block: int = UNSET
+    quantize_skip: tuple[str, ...] = UNSET
+    error_feedback: bool = UNSET
     # Fields with environment variables that took their default (no argument, no variable):
     # integrations may fill those from their own settings (Accelerate's mixed_precision).
     _defaulted: frozenset[str] = dataclasses.field(
@@ -289,8 +164,8 @@ class ZeroConfig:
 
     def __post_init__(self) -> None:
         defaulted = set()
-        for name, (env, parse, default) in _ENV_FIELDS.items():
-            if getattr(self, name) is _UNSET:
+        for name, (env, parse, default) in ENV_FIELDS.items():
+            if getattr(self, name) is UNSET:
                 raw = os.environ.get(env)
                 object.__setattr__(self, name, default if raw is None else parse(raw))
                 if raw is None:
@@ -322,12 +197,12 @@ class ZeroConfig:
                 f"ZeroConfig.stage: got {self.stage!r}; allowed values are 0 (DDP, estimator "
                 "only), 1 (optimizer state), 2 (+ gradients) and 3 (+ parameters)"
             )
-        if self.param_dtype not in _ALLOWED_DTYPES:
+        if self.param_dtype not in ALLOWED_DTYPES:
             raise ValueError(
                 f"ZeroConfig.param_dtype: got {self.param_dtype!r}; allowed: torch.float32, "
                 "torch.bfloat16, torch.float16"
             )
-        if self.reduce_dtype is not None and self.reduce_dtype not in _ALLOWED_DTYPES:
+        if self.reduce_dtype is not None and self.reduce_dtype not in ALLOWED_DTYPES:
             raise ValueError(
                 f"ZeroConfig.reduce_dtype: got {self.reduce_dtype!r}; allowed: None (= "
                 f"param_dtype), torch.float32, torch.bfloat16, torch.float16"
