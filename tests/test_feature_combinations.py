@@ -5,20 +5,22 @@ feature; one 4-rank launch (hybrid) and one 2-rank launch run every case:
 
 1. hybrid sharding (k = 2 of 4) + offload ("host" and "disk", fraction 0.5), stage 2 bf16
    and stage 3 fp32, with clipping: losses and parameters bitwise those of hybrid in memory.
-2. hybrid (k = 2) + whole-tensor ownership, Muon + AdamW, stage 2: within `tests.parity`'s
-   metric of the single-process reference (as the flat partition at 4 ranks is), and within
-   1e-6 relative per tensor of partition="tensor" at 4 ranks without hybrid. Not bitwise:
-   an owner sums its group's two gradients, then the replica all-reduce adds the other
-   group's sum, where the flat run sums all four ranks in one order.
+2. hybrid (k = 2) + whole-tensor ownership, Muon + AdamW and Adafactor, stage 2, against
+   partition="tensor" at 4 ranks without hybrid: `tests.parity`'s per-tensor metric with
+   the flat run in the reference's place (max(2 x DDP's error, 1e-6)); the matrices Muon
+   steps within 2^-8 relative. Not bitwise: an owner sums its group's two gradients, then
+   the replica all-reduce adds the other group's sum, where the flat run sums all four in
+   one order; Muon orthogonalizes in bf16, which turns those last-ulp differences into
+   one-bf16-step differences of some update elements (measured: 1.05e-3 on one matrix).
 3. ``save(blocking=False)`` + offload (disk, 0.5, bf16 masters on the tier), + partition=
    "tensor" (Muon + AdamW), + ``quantize_reduce`` (error-feedback residuals): the write is
    held open while 2 steps run; a fresh model loads, bitwise, the parameters, masters,
-   optimizer state (read through the tier) and residuals of the call.
+   optimizer state (read through the tier) and non-zero residuals of the call.
 4. offload + ``quantize_gather`` / ``quantize_reduce``, stage 2 bf16: bitwise the quantized
    run in memory.
 5. the refused combinations (offload + "tensor", quantization + "tensor", quantization +
    hybrid, async save + hybrid) raise a ValueError naming both settings on every rank,
-   before the model, optimizer or checkpoint directory change.
+   before the model, the inner optimizers or the checkpoint directory change.
 """
 
 from __future__ import annotations
@@ -34,7 +36,8 @@ import zerolite
 from tests import parity
 from tests.rank_reports import guarded
 from tests.test_offload import _build, _config, _full, _train
-from tests.test_tensor_ownership import oracle, shard
+from tests.test_tensor_ownership import BUILDERS, oracle, shard
+from zerolite import ZeroConfig
 from zerolite import checkpoint as ckpt
 from zerolite.checkpoint.commit import HOLD_ENV
 from zerolite.shard_state import state_of
@@ -97,31 +100,36 @@ def _hybrid_tensor() -> dict:
     return out
 
 
-def _refused(build, where: str) -> dict:
-    """Run ``build(model)`` (expected to raise ValueError); report the message and whether
-    the model, its optimizer's param groups and sharding state are untouched."""
+def _refused(recipe: str, **config) -> dict:
+    """`shard()` with ``config`` (expected to raise ValueError); report the message and
+    whether the model, the inner optimizers' param groups and state are untouched."""
     model = parity.make_model()
     before = {k: v.clone() for k, v in model.state_dict().items()}
+    inner = BUILDERS[recipe](model)
+    groups = [[list(g["params"]) for g in o.param_groups] for o in inner]
     try:
-        build(model)
+        zerolite.shard(model, inner if len(inner) > 1 else inner[0], ZeroConfig(**config))
         message = None
     except ValueError as exc:
         message = str(exc)
-    untouched = (state_of(model) is None
-                 and all(torch.equal(before[k], v) for k, v in model.state_dict().items()))
+    untouched = (
+        state_of(model) is None
+        and all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+        and all(not o.state and all(a is b for g, saved in zip(o.param_groups, kept)
+                                    for a, b in zip(g["params"], saved))
+                for o, kept in zip(inner, groups))
+    )
     return {"message": message, "untouched": untouched}
 
 
 def _refusals(where: str) -> dict:
-    muon = "muon+adamw"
     out = {
-        "offload+tensor": _refused(lambda m: shard(
-            muon, m, stage=2, partition="tensor", offload="disk", offload_dir=where), where),
-        "quantize+tensor": _refused(lambda m: shard(
-            muon, m, stage=2, partition="tensor", quantize_gather=True), where),
-        "quantize+hybrid": _refused(lambda m: zerolite.shard(
-            m, parity.make_optimizer("AdamW", m),
-            zerolite.ZeroConfig(stage=2, shard_group_size=2, quantize_reduce=True)), where),
+        "offload+tensor": _refused("muon+adamw", stage=2, partition="tensor", offload="disk",
+                                   offload_dir=where),
+        "quantize+tensor": _refused("muon+adamw", stage=2, partition="tensor",
+                                    quantize_gather=True),
+        "quantize+hybrid": _refused("adamw", stage=2, shard_group_size=2,
+                                    quantize_reduce=True),
     }
     # Async save with hybrid: refused in save(), before anything is written or changed.
     model, opt = _build(_config(2, torch.float32, shard_group_size=2))
@@ -260,7 +268,7 @@ def _async_case(root: Path, make) -> dict:
     fresh, fresh_opt = make()
     ckpt.load(root / "ckpt", fresh, fresh_opt)
     return {"held": held, "moved": moved, "equal": _equal(_snapshot(fresh, fresh_opt), at_call),
-            "residuals": len(at_call["residuals"]),
+            "residuals": sum(bool(r.any()) for r in at_call["residuals"]),
             "offloaded": state_of(fresh).offload is not None}
 
 
