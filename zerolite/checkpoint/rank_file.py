@@ -3,6 +3,8 @@
 `rank_file` walks the shard state's views once (`ShardState.pieces` and
 `ShardState.frozen_pieces`); a synchronous save writes the tensors straight from memory,
 an asynchronous one copies them into its `zerolite.checkpoint.staging.StagingArea` first.
+An offloaded piece's tier-held values are `LazyTensor`s: read from the tier one tensor at
+a time as they are written or staged, never all at once.
 `model_only_tensors` and `state_dict_names` are shared with `load`, `load_pretrained` and
 `zerolite.full_state_dict`.
 """
@@ -10,6 +12,7 @@ an asynchronous one copies them into its `zerolite.checkpoint.staging.StagingAre
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import torch
@@ -25,7 +28,9 @@ from zerolite.checkpoint.format import (
 )
 from zerolite.checkpoint.groups import piece_groups
 from zerolite.checkpoint.residuals import residual_tensors
+from zerolite.checkpoint.shard_writer import LazyTensor
 from zerolite.optim.sharded_optimizer import ShardedOptimizer
+from zerolite.shard_state import Piece
 
 __all__ = ["RankFile", "model_only_tensors", "rank_file", "state_dict_names"]
 
@@ -36,14 +41,15 @@ class RankFile:
 
     Attributes:
         file: ``rank-R-of-N.safetensors``.
-        tensors: key (`zerolite.checkpoint.format`) -> tensor, any device.
+        tensors: key (`zerolite.checkpoint.format`) -> tensor, any device, or a
+            `LazyTensor` (an offloaded piece's values, read when written).
         pieces, frozen_pieces: ``[name, start, end]`` of every master and frozen piece.
         groups: ``{parameter name: param group}`` of this rank's pieces.
     """
 
     file: str
     rank: int
-    tensors: dict[str, torch.Tensor]
+    tensors: dict[str, torch.Tensor | LazyTensor]
     pieces: list[list]
     frozen_pieces: list[list]
     groups: dict[str, int]
@@ -68,8 +74,8 @@ class RankFile:
 
 def rank_file(model: nn.Module, opt: ShardedOptimizer) -> RankFile:
     """What this rank writes now. The tensors are the live ones (not copied), except the
-    RNG states, which are read into new tensors."""
-    tensors: dict[str, torch.Tensor] = {}
+    RNG states, which are read into new tensors, and offloaded values (`LazyTensor`)."""
+    tensors: dict[str, torch.Tensor | LazyTensor] = {}
     pieces: list[list] = []
     frozen_pieces: list[list] = []
     state = opt.shard_state
@@ -83,6 +89,9 @@ def rank_file(model: nn.Module, opt: ShardedOptimizer) -> RankFile:
         # Flattened, so that any layout reads element ranges of it; state of another shape
         # than the master (Adafactor's row and column factors of a whole owned tensor) is
         # kept in its own shape and read back whole.
+        if piece.tier is not None:
+            tensors.update(_offloaded_tensors(piece))
+            continue
         master = piece.read_master()
         tensors[master_key(name, start, end)] = master.reshape(-1)
         for key, value in piece.read_state().items():
@@ -106,6 +115,31 @@ def rank_file(model: nn.Module, opt: ShardedOptimizer) -> RankFile:
         frozen_pieces=frozen_pieces,
         groups=piece_groups(opt),
     )
+
+
+def _offloaded_tensors(piece: Piece) -> dict[str, torch.Tensor | LazyTensor]:
+    """An offloaded piece's tensors, as `rank_file` would have read them: the tier's fields
+    (per-element state, flat; the 16-bit-offloaded master) lazily, the rest as they are."""
+    tier, slot = piece.tier, piece.slot
+    assert tier is not None
+    name, start, end = piece.name, piece.param_start, piece.param_end
+    numel = end - start
+
+    def lazy(field: str) -> LazyTensor:
+        read_into = functools.partial(tier.read_into, slot, field, 0)
+        return LazyTensor(tier.field_dtype(slot, field), (numel,), read_into)
+
+    out: dict[str, torch.Tensor | LazyTensor] = {
+        master_key(name, start, end):
+            lazy("master") if piece.master_offloaded else piece.master.detach().reshape(-1)
+    }
+    for key, value in piece.state.items():  # the scalars (``step``)
+        if isinstance(value, torch.Tensor):
+            out[state_key(key, name, start, end)] = value.detach()
+    if tier.initialized[slot]:  # else no per-element state yet (`OffloadTier.read_state`)
+        for key in tier.state_keys(slot):
+            out[state_key(key, name, start, end)] = lazy(key)
+    return out
 
 
 def model_only_tensors(model: nn.Module, opt: ShardedOptimizer) -> dict[str, torch.Tensor]:

@@ -67,7 +67,7 @@ from zerolite.checkpoint.markers import Markers
 from zerolite.checkpoint.pending_save import PendingSave, finish_in_flight, start
 from zerolite.checkpoint.rank_file import model_only_tensors, rank_file, state_dict_names
 from zerolite.checkpoint.schedulers import scheduler_entries
-from zerolite.checkpoint.shard_writer import as_bytes, layout, write_shard
+from zerolite.checkpoint.shard_writer import layout, shard_chunks, write_shard
 from zerolite.checkpoint.staging import staging_area
 from zerolite.collectives import Group, all_gather_bytes
 from zerolite.consensus import agreed
@@ -319,13 +319,13 @@ def _write_and_commit(
     with agreed("zerolite.checkpoint.save() (writing shards)", group):
         if writes:
             file = rank_file(model, optimizer)
-            tensors = {k: v.contiguous().cpu() for k, v in file.tensors.items()}
-            slots = layout(tensors)
+            slots = layout(file.tensors)
+            # One tensor at a time: offloaded values are read from their tier as written.
             size, sha = write_shard(
-                tmp / file.file, slots, [as_bytes(tensors[s.key]) for s in slots], file.rank,
+                tmp / file.file, slots, shard_chunks(slots, file.tensors), file.rank,
                 file.metadata,
             )
-            del tensors
+            file.tensors = {}
             record = json.dumps(file.record(size, sha)).encode()
     records = all_gather_bytes(record, group, what="checkpoint.save() (collecting file records)")
     with agreed("zerolite.checkpoint.save() (committing)", group):

@@ -8,6 +8,10 @@ back) straight from the tensors' memory, hashing each block as it goes: one pass
 the data and no extra copy. Tensors are laid out by descending element size, then name,
 so every tensor starts at an offset aligned to its dtype; `StagingArea` relies on that
 to view slices of one byte buffer as typed tensors.
+
+Offloaded optimizer state is not in memory: a `LazyTensor` gives its dtype and shape up
+front (for the layout and header) and reads its values only when written or staged, so
+a save holds one offloaded tensor at a time, never the whole tier.
 """
 
 from __future__ import annotations
@@ -15,16 +19,20 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import os
 import struct
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 
 import torch
 
 from zerolite.checkpoint.commit import fault_point, hold_point
 
-__all__ = ["SAFETENSORS_DTYPE", "Slot", "layout", "safetensors_header", "write_shard"]
+__all__ = [
+    "SAFETENSORS_DTYPE", "LazyTensor", "Slot", "layout", "safetensors_header", "shard_chunks",
+    "write_shard",
+]
 
 SAFETENSORS_DTYPE = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
@@ -45,7 +53,34 @@ class Slot:
     end: int
 
 
-def layout(tensors: Mapping[str, torch.Tensor]) -> list[Slot]:
+@dataclasses.dataclass(frozen=True)
+class LazyTensor:
+    """A tensor known by dtype and shape, whose values ``read_into`` fills on demand.
+
+    Attributes:
+        dtype, shape: of the values.
+        read_into: fills a contiguous 1-D CPU tensor of ``dtype`` and ``numel()`` elements
+            (e.g. `zerolite.optim.offload.OffloadTier.read_into` for one field of a slot).
+    """
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    read_into: Callable[[torch.Tensor], None]
+
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def element_size(self) -> int:
+        return self.dtype.itemsize
+
+    def read(self) -> torch.Tensor:
+        """The values: a new CPU tensor of ``shape``."""
+        out = torch.empty(self.numel(), dtype=self.dtype)
+        self.read_into(out)
+        return out.view(self.shape)
+
+
+def layout(tensors: Mapping[str, torch.Tensor | LazyTensor]) -> list[Slot]:
     """The data-section layout of ``tensors``: descending element size, then name."""
     slots = []
     offset = 0
@@ -80,6 +115,19 @@ def as_bytes(tensor: torch.Tensor) -> memoryview:
     return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
 
 
+def shard_chunks(
+    slots: list[Slot], tensors: Mapping[str, torch.Tensor | LazyTensor]
+) -> Iterator[memoryview]:
+    """The data of ``slots`` in order, for `write_shard`: resident tensors as they are
+    (contiguous CPU copies where they are not), each `LazyTensor` read only when its turn
+    comes and released once written -- one lazy tensor's values in memory at a time."""
+    for slot in slots:
+        tensor = tensors[slot.key]
+        value = tensor.read() if isinstance(tensor, LazyTensor) else tensor
+        yield as_bytes(value.contiguous().cpu())
+        del value, tensor  # written by now (write_shard asks for the next chunk after it)
+
+
 def write_shard(
     target: Path, slots: list[Slot], chunks: Iterable[memoryview], rank: int, metadata: dict
 ) -> tuple[int, str]:
@@ -110,6 +158,8 @@ def write_shard(
                     f.write(block)
                 digest.update(block)  # hashlib releases the GIL on large blocks, as write does
                 written += len(block)
+            # Let go of the chunk before asking for the next: a lazily read one is freed.
+            chunk = block = None
         f.flush()
         os.fsync(f.fileno())
     if written != total:

@@ -5,7 +5,8 @@ changing the live tensors. So the call copies every tensor of the rank's file (m
 optimizer state, stage-3 parameter and frozen shards, RNG states; on rank 0 buffers and
 unsharded parameters) into one host byte buffer laid out exactly as the file's data
 section (`zerolite.checkpoint.shard_writer.layout`), and the background thread writes
-that buffer as it is.
+that buffer as it is. Offloaded values (`LazyTensor`) are read from their tier straight
+into the buffer, one tensor at a time: the buffer is the only copy made.
 
 [Note: staging memory] The buffer is kept for the next save of the same optimizer, so
 an asynchronous save costs one extra copy of the rank's file -- about its shard of masters
@@ -23,7 +24,7 @@ from collections.abc import Mapping
 
 import torch
 
-from zerolite.checkpoint.shard_writer import Slot, as_bytes, layout
+from zerolite.checkpoint.shard_writer import LazyTensor, Slot, as_bytes, layout
 
 __all__ = ["StagingArea", "staging_area", "staging_bytes"]
 
@@ -52,11 +53,11 @@ class StagingArea:
             raise RuntimeError("StagingArea.data: nothing was staged")
         return as_bytes(self.buffer)
 
-    def stage(self, tensors: Mapping[str, torch.Tensor]) -> None:
+    def stage(self, tensors: Mapping[str, torch.Tensor | LazyTensor]) -> None:
         """Copy ``tensors`` (any device, any strides) into the buffer; on return the copy
         is complete, so the caller may change the tensors at once."""
         slots = layout(tensors)
-        on_cuda = any(t.is_cuda for t in tensors.values())
+        on_cuda = any(isinstance(t, torch.Tensor) and t.is_cuda for t in tensors.values())
         size = slots[-1].end if slots else 0
         if slots != self.slots or self.buffer is None or self.buffer.is_pinned() != on_cuda:
             self.buffer = None  # free the old buffer before allocating the new one
@@ -64,7 +65,11 @@ class StagingArea:
             self.slots = slots
         for slot in slots:
             view = self.buffer[slot.start : slot.end].view(slot.dtype).view(slot.shape)
-            view.copy_(tensors[slot.key].detach(), non_blocking=on_cuda)
+            source = tensors[slot.key]
+            if isinstance(source, LazyTensor):  # offloaded: read from its tier into place
+                source.read_into(view.reshape(-1))
+            else:
+                view.copy_(source.detach(), non_blocking=on_cuda)
         if on_cuda:
             torch.cuda.synchronize()  # non-blocking copies from any stream have landed
 
