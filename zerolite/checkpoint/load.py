@@ -8,7 +8,9 @@ param groups by parameter name (`zerolite.checkpoint.groups`), the number and cl
 LR schedulers (`zerolite.checkpoint.schedulers`) -- and ranks agree before any model,
 optimizer or RNG state changes, so a bad checkpoint fails on every rank together with an
 error naming the file, parameter or scheduler. Read ranges are copied into storage of
-their own: a safetensors slice is a view of the whole saved tensor.
+their own: a safetensors slice is a view of the whole saved tensor. Offloaded pieces are
+read twice -- once to check, once to write after the ranks agree -- so that only one of
+them is in memory at a time (a load of a larger-than-RAM tier must not hold it all).
 """
 
 from __future__ import annotations
@@ -147,27 +149,56 @@ class _RangeReader:
         return torch.cat(parts) if len(parts) > 1 else parts[0]
 
 
-def _read_rank_state(
-    path: Path, index: dict[str, Any], opt: ShardedOptimizer
-) -> list[tuple[Piece, torch.Tensor, dict]]:
-    """Per master piece of this rank: (the piece, fp32 values, optimizer state)."""
-    reader = _RangeReader(path, index)
-    keys = _state_keys(path, index)
-    out = []
-    for piece in opt.shard_state.pieces():
+class _PieceReader:
+    """Reads this rank's master pieces (values and optimizer state) from the files."""
+
+    def __init__(self, path: Path, index: dict[str, Any]) -> None:
+        self.reader = _RangeReader(path, index)
+        self.keys = _state_keys(path, index)
+
+    def read(self, piece: Piece) -> tuple[torch.Tensor, dict]:
+        """The piece's fp32 values (in the master's shape) and optimizer state."""
         name, s, e = piece.name, piece.param_start, piece.param_end
         shape = piece.master.shape  # 1-D, or the parameter's under whole-tensor ownership
-        values = reader.read(master_key, name, s, e).float().view(shape)
+        values = self.reader.read(master_key, name, s, e).float().view(shape)
         state = {}
-        for key, scalar in keys.get(name, {}).items():
-            value = reader.read(
+        for key, scalar in self.keys.get(name, {}).items():
+            value = self.reader.read(
                 lambda n, a, b, k=key: state_key(k, n, a, b), name, s, e, scalar=scalar
             )
             # Per-element state is saved flat; state of its own shape comes back as saved.
             per_element = not scalar and value.dim() == 1 and value.numel() == e - s
             state[key] = value.view(shape) if per_element else value
-        out.append((piece, values, state))
-    return out
+        return values, state
+
+
+def _read_rank_state(
+    path: Path, index: dict[str, Any], opt: ShardedOptimizer
+) -> tuple[list[tuple[Piece, torch.Tensor, dict]], list[Piece], _PieceReader]:
+    """This rank's master pieces, checked: (resident pieces with their values and state,
+    offloaded pieces, their reader). An offloaded piece is read here only to check it and
+    read again when written (`_write_offloaded`): holding every one until the ranks agree
+    would put the whole offloaded state in memory at once."""
+    reader = _PieceReader(path, index)
+    resident = []
+    offloaded = []
+    for piece in opt.shard_state.pieces():
+        values, state = reader.read(piece)
+        if piece.tier is None:
+            resident.append((piece, values, state))
+        else:
+            offloaded.append(piece)
+        del values, state  # an offloaded piece's: freed before the next one is read
+    return resident, offloaded, reader
+
+
+def _write_offloaded(pieces: list[Piece], reader: _PieceReader) -> None:
+    """Read and write the offloaded pieces one at a time (already checked: the files'
+    hashes match, so the second read returns what the first did)."""
+    for piece in pieces:
+        values, state = reader.read(piece)
+        piece.write(values, state)  # through the offload tier
+        del values, state
 
 
 def _state_keys(path: Path, index: dict[str, Any]) -> dict[str, dict[str, bool]]:
@@ -291,6 +322,8 @@ def _load(
                                     what="checkpoint.load() (param groups)"):
         current_groups.update(json.loads(payload))
     pieces: list = []
+    offloaded: list[Piece] = []
+    piece_reader: _PieceReader | None = None
     model_tensors: dict[str, torch.Tensor] = {}
     frozen_pieces: list[tuple[torch.Tensor, torch.Tensor]] = []  # (shard view, values)
     rng: torch.Tensor | None = None
@@ -314,7 +347,7 @@ def _load(
                 hyper = [decode(g, f"param group {i}") for i, g in enumerate(saved_hyper)]
             except ValueError as exc:
                 raise CheckpointError(f"{path}: {exc}") from None
-            pieces = _read_rank_state(path, index, optimizer)
+            pieces, offloaded, piece_reader = _read_rank_state(path, index, optimizer)
             source = _ModelTensors(path, index)
             for name, target in model_only_tensors(model, optimizer).items():
                 if not source.has(name):
@@ -354,7 +387,8 @@ def _load(
         raise
     # Nothing else has changed so far; from here on every read has succeeded on every rank.
     for piece, values, state in pieces:
-        piece.write(values, state)  # through the offload tier where the piece lives there
+        piece.write(values, state)
+    _write_offloaded(offloaded, piece_reader)
     for group_dict, saved in zip(optimizer.param_groups, hyper):
         for key, value in saved.items():
             current = group_dict.get(key)
