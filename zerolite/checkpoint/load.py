@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-from collections import defaultdict
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -33,13 +32,12 @@ from zerolite.checkpoint.format import (
     CheckpointError,
     check_file,
     frozen_key,
-    master_key,
     model_key,
     read_index,
-    state_key,
 )
 from zerolite.checkpoint.groups import check_groups, piece_groups, saved_groups
 from zerolite.checkpoint.json_codec import decode
+from zerolite.checkpoint.range_reader import PieceReader, RangeReader
 from zerolite.checkpoint.residuals import apply_residuals, read_residuals
 from zerolite.checkpoint.save import model_only_tensors
 from zerolite.checkpoint.schedulers import apply_schedulers, plan_schedulers, restore_schedulers
@@ -100,86 +98,14 @@ def _index_entries(path: Path) -> Iterator[None]:
         ) from None
 
 
-class _RangeReader:
-    """Reads element ranges of one parameter's saved tensors across files."""
-
-    def __init__(self, path: Path, index: dict[str, Any], field: str = "pieces") -> None:
-        self.path = path
-        self.ranges: dict[str, list[tuple[str, int, int]]] = defaultdict(list)
-        for entry in index["files"]:
-            for name, start, end in entry.get(field, []):
-                self.ranges[name].append((entry["file"], start, end))
-
-    def read(
-        self, key_of: Any, name: str, start: int, end: int, scalar: bool = False
-    ) -> torch.Tensor:
-        """Elements [start, end) of ``name``'s tensor ``key_of(name, s, e)``; 0-dim if
-        ``scalar``."""
-        # Every returned tensor is a copy in its own storage: a safetensors slice is a view
-        # of the whole saved tensor (mapped from the file), which optimizer state would
-        # otherwise keep alive -- the saved shard's size, not this rank's piece.
-        parts: list[torch.Tensor] = []
-        covered = start
-        for file, s, e in self.ranges[name]:
-            if (s, e) == (start, end):  # saved as this very piece: whole, in its saved shape
-                with safe_open(self.path / file, framework="pt") as f:
-                    key = key_of(name, s, e)
-                    if key not in f.keys():
-                        raise CheckpointError(f"{self.path / file}: no tensor {key!r}")
-                    return f.get_tensor(key).clone()
-        for file, s, e in sorted(self.ranges[name], key=lambda r: r[1]):
-            lo, hi = max(start, s), min(end, e)
-            if lo >= hi:
-                continue
-            if lo != covered:
-                break
-            # One handle per read: an open handle maps the file (DESIGN §5 on RSS).
-            with safe_open(self.path / file, framework="pt") as f:
-                key = key_of(name, s, e)
-                if key not in f.keys():
-                    raise CheckpointError(f"{self.path / file}: no tensor {key!r}")
-                if scalar:
-                    return f.get_tensor(key).clone()
-                parts.append(f.get_slice(key)[lo - s : hi - s].clone())
-            covered = hi
-        if covered != end or not parts:
-            raise CheckpointError(
-                f"parameter {name!r}: elements [{covered}, {end}) are in no shard file"
-            )
-        return torch.cat(parts) if len(parts) > 1 else parts[0]
-
-
-class _PieceReader:
-    """Reads this rank's master pieces (values and optimizer state) from the files."""
-
-    def __init__(self, path: Path, index: dict[str, Any]) -> None:
-        self.reader = _RangeReader(path, index)
-        self.keys = _state_keys(path, index)
-
-    def read(self, piece: Piece) -> tuple[torch.Tensor, dict]:
-        """The piece's fp32 values (in the master's shape) and optimizer state."""
-        name, s, e = piece.name, piece.param_start, piece.param_end
-        shape = piece.master.shape  # 1-D, or the parameter's under whole-tensor ownership
-        values = self.reader.read(master_key, name, s, e).float().view(shape)
-        state = {}
-        for key, scalar in self.keys.get(name, {}).items():
-            value = self.reader.read(
-                lambda n, a, b, k=key: state_key(k, n, a, b), name, s, e, scalar=scalar
-            )
-            # Per-element state is saved flat; state of its own shape comes back as saved.
-            per_element = not scalar and value.dim() == 1 and value.numel() == e - s
-            state[key] = value.view(shape) if per_element else value
-        return values, state
-
-
 def _read_rank_state(
     path: Path, index: dict[str, Any], opt: ShardedOptimizer
-) -> tuple[list[tuple[Piece, torch.Tensor, dict]], list[Piece], _PieceReader]:
+) -> tuple[list[tuple[Piece, torch.Tensor, dict]], list[Piece], PieceReader]:
     """This rank's master pieces, checked: (resident pieces with their values and state,
     offloaded pieces, their reader). An offloaded piece is read here only to check it and
     read again when written (`_write_offloaded`): holding every one until the ranks agree
     would put the whole offloaded state in memory at once."""
-    reader = _PieceReader(path, index)
+    reader = PieceReader(path, index)
     resident = []
     offloaded = []
     for piece in opt.shard_state.pieces():
@@ -192,27 +118,13 @@ def _read_rank_state(
     return resident, offloaded, reader
 
 
-def _write_offloaded(pieces: list[Piece], reader: _PieceReader) -> None:
+def _write_offloaded(pieces: list[Piece], reader: PieceReader) -> None:
     """Read and write the offloaded pieces one at a time (already checked: the files'
     hashes match, so the second read returns what the first did)."""
     for piece in pieces:
         values, state = reader.read(piece)
         piece.write(values, state)  # through the offload tier
         del values, state
-
-
-def _state_keys(path: Path, index: dict[str, Any]) -> dict[str, dict[str, bool]]:
-    """name -> {state key: is_scalar}, from the first file holding each parameter."""
-    out: dict[str, dict[str, bool]] = {}
-    for entry in index["files"]:
-        with safe_open(path / entry["file"], framework="pt") as f:
-            for key in f.keys():
-                if not key.startswith("state/"):
-                    continue
-                _, skey, rest = key.split("/", 2)
-                name = rest.rsplit("/", 1)[0]
-                out.setdefault(name, {})[skey] = len(f.get_slice(key).get_shape()) == 0
-    return out
 
 
 class _ModelTensors:
@@ -223,7 +135,7 @@ class _ModelTensors:
         self.file = path / index["files"][0]["file"]
         with safe_open(self.file, framework="pt") as f:
             self.whole = {k[len("model/"):] for k in f.keys() if k.startswith("model/")}
-        self.ranges = _RangeReader(path, index, field="frozen_pieces")
+        self.ranges = RangeReader(path, index, field="frozen_pieces")
         self.shapes = {t["name"]: t["shape"] for t in index.get("frozen", [])}
 
     def has(self, name: str) -> bool:
@@ -323,7 +235,7 @@ def _load(
         current_groups.update(json.loads(payload))
     pieces: list = []
     offloaded: list[Piece] = []
-    piece_reader: _PieceReader | None = None
+    piece_reader: PieceReader | None = None
     model_tensors: dict[str, torch.Tensor] = {}
     frozen_pieces: list[tuple[torch.Tensor, torch.Tensor]] = []  # (shard view, values)
     rng: torch.Tensor | None = None
