@@ -256,8 +256,10 @@ def test_sigkill_during_background_write_keeps_previous_checkpoint(tmp_path, cas
     fault = KILLS[case]
     with pytest.raises(RankFailure) as info:
         run_ranks(_async_then_crash, 2, str(tmp_path), fault, timeout=60)
-    killed = int(fault.split(":")[1].split(",")[0])
-    assert "SIGKILL" in info.value.failures[killed], info.value.failures
+    # With several ranks killed, whichever dies first makes the harness stop the others: at
+    # least one of them must show the injected SIGKILL.
+    killed = [int(r) for r in fault.split(":")[1].split(",")]
+    assert any("SIGKILL" in info.value.failures.get(r, "") for r in killed), info.value.failures
     assert ckpt.latest(tmp_path) == tmp_path / "step-1"
     assert zerolite.cli.main(["verify", str(tmp_path / "step-1")]) == 0
     committed = fault.startswith("before_latest")  # renamed into place, not named yet
