@@ -137,5 +137,10 @@ def check_parity(label: str, model: nn.Module, losses: list[float], reference: n
     return max(errors.values())
 
 
+def snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
+    """A copy of every parameter's current values, by name."""
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
 def clone(model: nn.Module) -> nn.Module:
     return copy.deepcopy(model)

@@ -25,11 +25,6 @@ from tests.rank_reports import (
 from zerolite import ZeroConfig
 from zerolite.testing import run_ranks
 
-
-def _snapshot(model) -> dict[str, torch.Tensor]:
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
-
-
 ZERO_LR_STEP = 2
 SCHED_STEPS = 4
 
@@ -43,7 +38,7 @@ def _train_scheduled(model, opt, sched, data, *, sliced, record):
     for x, y in data:
         if sliced:
             x, y = parity.local_slice(x), parity.local_slice(y)
-        before = _snapshot(model)
+        before = parity.snapshot(model)
         loss = model(x, y)
         loss.backward()
         lrs = [g["lr"] for g in opt.param_groups]

@@ -26,10 +26,6 @@ from zerolite import ZeroConfig
 from zerolite.testing import run_ranks
 
 
-def _snapshot(model) -> dict[str, torch.Tensor]:
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
-
-
 def _errors_vs(model, snap: dict[str, torch.Tensor]) -> dict[str, float]:
     return {n: parity.rel_err(p, snap[n]) for n, p in model.named_parameters()}
 
@@ -57,7 +53,7 @@ def _read_after_step_rank() -> dict:
         loss.backward()
         ref_opt.step()
         ref_opt.zero_grad()
-        ref_snaps.append(_snapshot(ref))
+        ref_snaps.append(parity.snapshot(ref))
         ref_losses.append(loss.item())
     ddp_model = parity.make_model()
     ddp = DistributedDataParallel(ddp_model)

@@ -31,10 +31,6 @@ from zerolite import ZeroConfig
 from zerolite.testing import run_ranks
 
 
-def _snapshot(model) -> dict[str, torch.Tensor]:
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
-
-
 class TwoHeadGPT(nn.Module):
     """The tiny GPT plus a second head ``head_b`` applied only when asked."""
 
@@ -131,8 +127,8 @@ def _unused_rank() -> dict:
             losses, checks = [], []
             for s, (x, y) in enumerate(data):
                 used_anywhere = any(_uses(schedule, s, r, n) for r in range(n))
-                head_before = _snapshot(model.head_b)
-                trunk_before = _snapshot(model.gpt)
+                head_before = parity.snapshot(model.head_b)
+                trunk_before = parity.snapshot(model.gpt)
                 pieces_before = [t.detach().clone() for t in pieces]
                 states_before = [_state_clone(opt, t) for t in pieces]
                 use_b = _uses(schedule, s, rank, n)

@@ -11,11 +11,13 @@ inner optimizer in list order.
 
 from __future__ import annotations
 
-from collections import OrderedDict, defaultdict
+from collections import defaultdict
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+
+from zerolite.optim.optimizer_hooks import init_optimizer_hooks
 
 __all__ = ["MultiOptimizer", "class_name", "inner_optimizers"]
 
@@ -58,14 +60,7 @@ class MultiOptimizer(torch.optim.Optimizer):
                             f"({type(opt).__name__}); the optimizers must hold disjoint "
                             "parameter sets (e.g. Muon for hidden 2-D weights, AdamW for the rest)"
                         )
-        # What torch.optim.Optimizer.__init__ sets up, without rebuilding any param group.
-        self._optimizer_step_pre_hooks: OrderedDict[int, Callable] = OrderedDict()
-        self._optimizer_step_post_hooks: OrderedDict[int, Callable] = OrderedDict()
-        self._optimizer_state_dict_pre_hooks: OrderedDict[int, Callable] = OrderedDict()
-        self._optimizer_state_dict_post_hooks: OrderedDict[int, Callable] = OrderedDict()
-        self._optimizer_load_state_dict_pre_hooks: OrderedDict[int, Callable] = OrderedDict()
-        self._optimizer_load_state_dict_post_hooks: OrderedDict[int, Callable] = OrderedDict()
-        self._patch_step_function()
+        init_optimizer_hooks(self)  # Optimizer.__init__ would rebuild the shared groups
         self.optimizers = optimizers
         self.defaults: dict[str, Any] = {}
         self._state: defaultdict[Any, dict] | None = None

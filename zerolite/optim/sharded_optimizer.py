@@ -18,7 +18,6 @@ holding them keep working), with ``"params"`` re-pointed at master pieces.
 from __future__ import annotations
 
 import logging
-from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
@@ -33,6 +32,7 @@ from zerolite.hooks import KeepFullGrads, ShardGradsInBackward
 from zerolite.optim.grad_clip import clip_coefficient, global_grad_norm
 from zerolite.optim.loss_scale import DynamicLossScaler
 from zerolite.optim.master import MasterShard
+from zerolite.optim.optimizer_hooks import init_optimizer_hooks
 from zerolite.optim.state_dict import load_sharded_state_dict, sharded_state_dict
 from zerolite.optim.streamed_step import stream_step
 from zerolite.shard_state import ShardState
@@ -56,15 +56,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, state: ShardState) -> None:
-        # torch.optim.Optimizer.__init__ would rebuild param groups; set up what it sets
-        # up instead, and share state and groups with the wrapped optimizer.
-        self._optimizer_step_pre_hooks: OrderedDict[int, Callable] = OrderedDict()
-        self._optimizer_step_post_hooks: OrderedDict[int, Callable] = OrderedDict()
-        self._optimizer_state_dict_pre_hooks: OrderedDict[int, Callable] = OrderedDict()
-        self._optimizer_state_dict_post_hooks: OrderedDict[int, Callable] = OrderedDict()
-        self._optimizer_load_state_dict_pre_hooks: OrderedDict[int, Callable] = OrderedDict()
-        self._optimizer_load_state_dict_post_hooks: OrderedDict[int, Callable] = OrderedDict()
-        self._patch_step_function()
+        # Optimizer.__init__ would rebuild param groups: share the wrapped optimizer's.
+        init_optimizer_hooks(self)
         self.optimizer = optimizer
         # Everything shard() built for the model: flat buffers, masters, buckets, scheduler.
         self.shard_state = state
