@@ -41,7 +41,7 @@ from zerolite import ZeroConfig
 from zerolite import checkpoint as ckpt
 from zerolite.checkpoint.commit import HOLD_ENV
 from zerolite.shard_state import state_of
-from zerolite.testing import run_ranks
+from zerolite.testing import FootprintMismatch, assert_footprint, run_ranks
 
 STEPS = 2
 TIMEOUT = 150.0
@@ -100,6 +100,49 @@ def _hybrid_tensor() -> dict:
     return out
 
 
+QUANTIZE = {"gather": {"quantize_gather": True}, "reduce": {"quantize_reduce": True},
+            "both": {"quantize_gather": True, "quantize_reduce": True}}
+
+
+def _hybrid_quantized() -> dict:
+    """Hybrid (k = 2) quantized against the same hybrid unquantized: per-step losses, every
+    replica's masters and gradient shards (bitwise equal to its other replica's), every
+    rank's parameters, and the footprint against the estimate."""
+    data = parity.batches(4)
+    out = {}
+    for stage, dtype, cases in ((2, torch.bfloat16, QUANTIZE), (3, torch.float32, ["both"])):
+        base, _ = _run(_config(stage, dtype, shard_group_size=2), data)
+        for case in cases:
+            config = _config(stage, dtype, shard_group_size=2, quant_block=64, **QUANTIZE[case])
+            model, opt = _build(config)
+            losses = _train(model, opt, data)
+            x, y = data[0]
+            model(parity.local_slice(x), parity.local_slice(y)).backward()
+            opt.shard_state.reducer.reduce()  # the shards of one more backward, not stepped
+            mine = [torch.cat([m.data for m in opt.masters]),
+                    torch.cat([b.shard.float() for b in opt.buckets if b.shard is not None])]
+            everyone: list = [None] * dist.get_world_size()
+            dist.all_gather_object(everyone, mine)
+            rank, k = dist.get_rank(), 2
+            twin = everyone[(rank + k) % dist.get_world_size()]
+            params = torch.cat([v.float().flatten() for v in _full(model).values()])
+            all_params: list = [None] * dist.get_world_size()
+            dist.all_gather_object(all_params, params)
+            try:
+                assert_footprint(opt)
+                footprint = "ok"
+            except FootprintMismatch as exc:
+                footprint = str(exc)
+            out[f"stage {stage} {dtype} {case}"] = {
+                "loss_rel": max(abs(a - b) / abs(b) for a, b in zip(losses, base)),
+                "replicas_identical": all(torch.equal(a, b) for a, b in zip(mine, twin)),
+                "params_identical": all(torch.equal(p, params) for p in all_params),
+                "footprint": footprint,
+                "cross_residuals": {b.replica_residual is not None for b in opt.buckets},
+            }
+    return out
+
+
 def _refused(recipe: str, **config) -> dict:
     """`shard()` with ``config`` (expected to raise ValueError); report the message and
     whether the model, the inner optimizers' param groups and state are untouched."""
@@ -128,8 +171,6 @@ def _refusals(where: str) -> dict:
                                    offload_dir=where),
         "quantize+tensor": _refused("muon+adamw", stage=2, partition="tensor",
                                     quantize_gather=True),
-        "quantize+hybrid": _refused("adamw", stage=2, shard_group_size=2,
-                                    quantize_reduce=True),
     }
     # Async save with hybrid: refused in save(), before anything is written or changed.
     model, opt = _build(_config(2, torch.float32, shard_group_size=2))
@@ -154,7 +195,8 @@ def _refusals(where: str) -> dict:
 
 
 def _four_ranks(where: str) -> dict:
-    out = {"offload": _hybrid_offload(where), "tensor": _hybrid_tensor()}
+    out = {"offload": _hybrid_offload(where), "tensor": _hybrid_tensor(),
+           "quantized": _hybrid_quantized()}
     out["refusals"] = _refusals(where)
     return out
 
@@ -205,10 +247,24 @@ def test_hybrid_with_tensor_ownership_matches_flat_tensor(four) -> None:
               f"{max(muon, default=0):.2e}, others {max(rest):.2e}, loss {got['loss_rel']:.1e}")
 
 
+def test_hybrid_with_quantization_stays_close_and_replicas_identical(four) -> None:
+    """Within the quantized tests' tolerance (1e-2 relative per-step loss) of hybrid
+    unquantized; the two replicas of each shard hold bitwise-equal masters and gradient
+    shards (a replica keeping its own piece exact would drift); every rank the same
+    parameters; footprint == estimate, the cross-node residual included."""
+    for r, rep in enumerate(four):
+        for case, got in rep["quantized"].items():
+            assert got["loss_rel"] <= 1e-2, (r, case, got)
+            assert got["replicas_identical"] and got["params_identical"], (r, case, got)
+            assert got["footprint"] == "ok", (r, case, got)
+            assert got["cross_residuals"] == {not case.endswith("gather")}, (r, case, got)
+    print("\nhybrid + quantized vs hybrid: loss rel",
+          {k: f"{v['loss_rel']:.1e}" for k, v in four[0]["quantized"].items()})
+
+
 REFUSALS = {
     "offload+tensor": ("offload", "partition='tensor'"),
     "quantize+tensor": ("quantize_gather", "partition='tensor'"),
-    "quantize+hybrid": ("quantize_reduce", "shard_group_size"),
     "async+hybrid": ("blocking=False", "shard_group_size"),
 }
 

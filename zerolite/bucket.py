@@ -28,6 +28,7 @@ from zerolite.hybrid import average_across_replicas
 from zerolite.owned_collectives import reduce_to_owners
 from zerolite.quantize import WireFormat
 from zerolite.quantized_collectives import quantized_reduce_scatter_avg
+from zerolite.quantized_replicas import quantized_average_across_replicas
 
 __all__ = ["GradBucket"]
 
@@ -89,6 +90,10 @@ class GradBucket:
         # the error-feedback residual, (N - 1, shard_numel) fp32 (see quantized_collectives).
         self.wire: WireFormat | None = None
         self.residual: torch.Tensor | None = None
+        # Hybrid sharding with quantize_reduce: how the shard crosses the replica group, and
+        # that step's residual, (R, ceil(shard_numel / R)) fp32 (see quantized_replicas).
+        self.replica_wire: WireFormat | None = None
+        self.replica_residual: torch.Tensor | None = None
 
     def full_buffer(self) -> torch.Tensor:
         """``full``, allocated on first use (padding zeroed; parameter regions are written by
@@ -171,7 +176,13 @@ class GradBucket:
         else:
             pending = reduce_scatter_avg(send, out, self.group, key=key, what=what)
         # Hybrid sharding: then the mean across replica groups (no-op when flat).
-        self._pending = average_across_replicas(pending, out, self.group, what=what)
+        if self.replica_wire is not None:
+            self._pending = quantized_average_across_replicas(
+                pending, out, self.replica_wire, self.replica_residual, self.group,
+                key=key, what=what,
+            )
+        else:
+            self._pending = average_across_replicas(pending, out, self.group, what=what)
         self._result, self._sent = out, send
         self._reset_arrivals()
         self.unreduced = False

@@ -31,7 +31,9 @@ import torch
 
 from zerolite.layout import FlatLayout
 
-__all__ = ["quantize_blocks", "dequantize_blocks", "ChunkCodec", "WireFormat", "QMAX"]
+__all__ = [
+    "quantize_blocks", "dequantize_blocks", "ChunkCodec", "WireFormat", "raw_ranges", "QMAX"
+]
 
 QMAX = 127
 
@@ -161,22 +163,37 @@ class WireFormat:
     def __init__(
         self, layout: FlatLayout, raw_params: set[int], raw_dtype: torch.dtype, block: int
     ) -> None:
-        self.layout = layout
-        self.chunks: list[ChunkCodec] = []
-        for rank in range(layout.world_size):
-            raw = [
-                (pc.shard_start, pc.shard_start + pc.numel)
-                for pc in layout.pieces(rank)
-                if pc.index in raw_params
-            ]
-            self.chunks.append(ChunkCodec(layout.shard_numel, _merged(raw), raw_dtype, block))
+        self.chunks: list[ChunkCodec] = [
+            ChunkCodec(layout.shard_numel, raw_ranges(layout, rank, raw_params), raw_dtype, block)
+            for rank in range(layout.world_size)
+        ]
         self.message_bytes = -(-max(c.nbytes for c in self.chunks) // 4) * 4
+
+    @classmethod
+    def of_chunks(cls, chunks: Sequence[ChunkCodec]) -> WireFormat:
+        """The messages of any equal-length chunks (e.g. the pieces of one gradient shard
+        crossing a replica group, `zerolite.quantized_replicas`)."""
+        wire = cls.__new__(cls)
+        wire.chunks = list(chunks)
+        wire.message_bytes = -(-max(c.nbytes for c in wire.chunks) // 4) * 4
+        return wire
 
     def messages(self, device: torch.device) -> torch.Tensor:
         """An uninitialised ``(N, message_bytes)`` uint8 buffer: one row per chunk."""
         return torch.empty(
-            (self.layout.world_size, self.message_bytes), dtype=torch.uint8, device=device
+            (len(self.chunks), self.message_bytes), dtype=torch.uint8, device=device
         )
+
+
+def raw_ranges(layout: FlatLayout, rank: int, raw_params: set[int]) -> list[tuple[int, int]]:
+    """The element ranges of chunk ``rank`` of ``layout`` (chunk offsets, sorted, merged)
+    that belong to the parameters ``raw_params`` (indices in the buffer)."""
+    raw = [
+        (pc.shard_start, pc.shard_start + pc.numel)
+        for pc in layout.pieces(rank)
+        if pc.index in raw_params
+    ]
+    return _merged(raw)
 
 
 def _merged(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:

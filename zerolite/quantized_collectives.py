@@ -23,9 +23,67 @@ import torch.distributed as dist
 from torch.profiler import record_function
 
 from zerolite.collectives import Group, Pending, _all_gather_flat, _chunk, _tag
-from zerolite.quantize import WireFormat
+from zerolite.quantize import ChunkCodec, WireFormat
 
-__all__ = ["quantized_all_gather", "quantized_reduce_scatter_avg"]
+__all__ = [
+    "quantized_all_gather",
+    "quantized_reduce_scatter_avg",
+    "encode_with_feedback",
+    "exchange_rows",
+    "gather_rows",
+]
+
+
+def encode_with_feedback(
+    codec: ChunkCodec, chunk: torch.Tensor, message: torch.Tensor, residual: torch.Tensor | None
+) -> None:
+    """Encode ``chunk`` (1-D, ``codec.numel``, float) into ``message``; with error feedback,
+    encode ``residual + chunk`` instead and leave in ``residual`` (1-D fp32, ``codec.numel``)
+    what the receivers will not see of it, non-finite values zeroed."""
+    if residual is None:
+        codec.encode(chunk, message)
+        return
+    contribution = torch.add(residual, chunk)  # fp32, a new tensor
+    codec.encode(contribution, message)
+    # What the receiver will see, subtracted: the loss carried to the next exchange.
+    codec.decode(message, residual)
+    torch.sub(contribution, residual, out=residual)
+    # A non-finite block is sent as NaN (never hidden); it must not poison later steps.
+    torch.nan_to_num_(residual, nan=0.0, posinf=0.0, neginf=0.0)
+
+
+def exchange_rows(
+    send: torch.Tensor, received: torch.Tensor, group: Group, *, key: int
+) -> list[dist.Work]:
+    """Launch an all-to-all of message rows: row ``j`` of ``send`` (``(N, bytes)`` uint8)
+    goes to rank ``j``, row ``j`` of ``received`` comes from rank ``j`` (this rank's own
+    rows are not exchanged). Every rank of ``group`` calls, in lockstep."""
+    n = group.size
+    tag = _tag(group.next_sequence(), key)
+    if not group.point_to_point:
+        return [dist.all_to_all_single(received, send, group=group.pg, async_op=True)]
+    works = []
+    for k in range(1, n):
+        dst, src = (group.rank + k) % n, (group.rank - k) % n
+        works.append(dist.isend(send[dst], group.global_rank(dst), group.pg, tag))
+        works.append(dist.irecv(received[src], group.global_rank(src), group.pg, tag))
+    return works
+
+
+def gather_rows(messages: torch.Tensor, group: Group, *, key: int) -> list[dist.Work]:
+    """Launch an all-gather of message rows: row ``rank`` of ``messages`` (``(N, bytes)``
+    uint8) into every rank's row ``rank``. Every rank of ``group`` calls, in lockstep."""
+    n = group.size
+    tag = _tag(group.next_sequence(), key)
+    if not group.point_to_point:
+        mine = messages[group.rank]
+        return [_all_gather_flat(messages.view(-1), mine, group=group.pg, async_op=True)]
+    works = []
+    for k in range(1, n):
+        dst, src = (group.rank + k) % n, (group.rank - k) % n
+        works.append(dist.isend(messages[group.rank], group.global_rank(dst), group.pg, tag))
+        works.append(dist.irecv(messages[src], group.global_rank(src), group.pg, tag))
+    return works
 
 
 def quantized_all_gather(
@@ -46,22 +104,8 @@ def quantized_all_gather(
     shard = full.numel() // n
     messages = wire.messages(full.device)
     wire.chunks[group.rank].encode(_chunk(full, group.rank, shard), messages[group.rank])
-    tag = _tag(group.next_sequence(), key)
     with record_function("zerolite::quantized_all_gather"):
-        if group.point_to_point:
-            works = []
-            for k in range(1, n):
-                dst, src = (group.rank + k) % n, (group.rank - k) % n
-                works.append(
-                    dist.isend(messages[group.rank], group.global_rank(dst), group.pg, tag)
-                )
-                works.append(dist.irecv(messages[src], group.global_rank(src), group.pg, tag))
-        else:
-            works = [
-                _all_gather_flat(
-                    messages.view(-1), messages[group.rank], group=group.pg, async_op=True
-                )
-            ]
+        works = gather_rows(messages, group, key=key)
 
     def finish() -> None:
         for j, codec in enumerate(wire.chunks):
@@ -100,30 +144,11 @@ def quantized_reduce_scatter_avg(
     messages = wire.messages(full.device)
     for k in range(1, n):
         dst = (group.rank + k) % n
-        chunk = _chunk(full, dst, shard)
-        codec = wire.chunks[dst]
-        if residual is None:
-            codec.encode(chunk, messages[dst])
-            continue
-        contribution = torch.add(residual[k - 1], chunk)  # fp32, a new tensor
-        codec.encode(contribution, messages[dst])
-        # What the receiver will see, subtracted: the loss carried to the next exchange.
-        lost = residual[k - 1]
-        codec.decode(messages[dst], lost)
-        torch.sub(contribution, lost, out=lost)
-        # A non-finite block is sent as NaN (never hidden); it must not poison later steps.
-        torch.nan_to_num_(lost, nan=0.0, posinf=0.0, neginf=0.0)
+        row = None if residual is None else residual[k - 1]
+        encode_with_feedback(wire.chunks[dst], _chunk(full, dst, shard), messages[dst], row)
     received = wire.messages(full.device)
-    tag = _tag(group.next_sequence(), key)
     with record_function("zerolite::quantized_reduce_scatter"):
-        if group.point_to_point:
-            works = []
-            for k in range(1, n):
-                dst, src = (group.rank + k) % n, (group.rank - k) % n
-                works.append(dist.isend(messages[dst], group.global_rank(dst), group.pg, tag))
-                works.append(dist.irecv(received[src], group.global_rank(src), group.pg, tag))
-        else:
-            works = [dist.all_to_all_single(received, messages, group=group.pg, async_op=True)]
+        works = exchange_rows(messages, received, group, key=key)
 
     def finish() -> None:
         codec = wire.chunks[group.rank]

@@ -118,9 +118,7 @@ def shard(
         lines.append(f"shard_group_size: {k or world.size} of {world.size} ranks")
         plan = plan_layout(model, optimizer, config)
         lines += plan.describe(config, optimizer, model)
-        lines += describe_quantization(
-            config, model, plan.partition, hybrid=k is not None and k < world.size
-        )
+        lines += describe_quantization(config, model, plan.partition)
     group = sharding_group(world, k, config)
     offload = None
     # The tier is laid out over this rank's shard group; a bad directory raises on every rank.

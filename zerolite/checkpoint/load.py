@@ -290,7 +290,15 @@ def _load(
                 rng = f.get_tensor("rng/cpu")
                 if same_world and "rng/cuda" in f.keys():
                     cuda_rng = f.get_tensor("rng/cuda")
-                residuals = read_residuals(f, optimizer, same_world)
+            # Residuals are exact only in the layout they were saved in (hybrid: the file of
+            # this rank's shard holds every replica's).
+            same_layout = (
+                index["world_size"] == shards.size
+                and index.get("replicas", 1) == group.size // shards.size
+            )
+            residuals = read_residuals(
+                path / index["files"][shards.rank]["file"] if same_layout else None, optimizer
+            )
             # Last, and undone below if a peer failed: schedulers are the only state a load
             # attempt changes before the ranks agree (a custom one may fail in load_state_dict).
             loaded_schedulers = apply_schedulers(planned_schedulers)

@@ -1,70 +1,143 @@
 """Error-feedback residuals (``ZeroConfig.quantize_reduce``) in checkpoints.
 
 A rank's residual is what quantization lost of its own contributions to the other ranks'
-chunks (`zerolite.quantized_collectives`). Each rank writes its own, in its own file,
-keyed like everything else by parameter name and element range:
+chunks (`zerolite.quantized_collectives`). Each rank's residuals are stored, keyed like
+everything else by parameter name and element range:
 ``residual/{name}/{start}-{end}`` (fp32). There are no residuals for this rank's own
 chunk (it never travels quantized).
 
-A load at the same world size and flat-buffer layout restores them exactly, so a resumed
-run continues bit for bit. Anywhere else (another world size or bucket size, a checkpoint
-saved without error feedback) they are not meaningful per rank and restart from zero:
-what is dropped is at most one exchange's quantization error per element (half a block's
-scale), delivered to no step -- a one-step perturbation, logged as a warning.
+With hybrid sharding every rank has its own residuals, including replicas of the same
+shard, and two kinds: the shard group's (as above) and the cross-node step's
+(`zerolite.quantized_replicas`: what phase 1 lost of each piece sent to another replica,
+what phase 2 lost of this replica's reduced piece). Only the first replica group writes
+files, so at save the other replicas' residuals are gathered (over the replica group)
+onto the rank that writes their shard's file, which holds them all for the length of the
+save: ``residual@replica{q}/{name}/{start}-{end}``,
+``residual-across@replica{q}/send/{name}/{start}-{end}`` and ``.../gather/...`` for
+replica ``q``.
+
+A load at the same world size, shard group size and flat-buffer layout restores them
+exactly, so a resumed run continues bit for bit. Anywhere else (another world size, k or
+bucket size, a checkpoint saved without error feedback) they are not meaningful per rank
+and restart from zero: what is dropped is at most one exchange's quantization error per
+element (half a block's scale), delivered to no step -- a one-step perturbation, logged
+as a warning.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
-from typing import Any
+from pathlib import Path
 
 import torch
+import torch.distributed as dist
+from safetensors import safe_open
 
+from zerolite.collectives import _bounded_wait
+from zerolite.flat_buffer import FlatParamBuffer
 from zerolite.optim.sharded_optimizer import ShardedOptimizer
 
-__all__ = ["residual_tensors", "read_residuals", "apply_residuals"]
+__all__ = ["residual_tensors", "gather_replica_residuals", "read_residuals", "apply_residuals"]
 
 logger = logging.getLogger(__name__)
 
 PREFIX = "residual/"
 
 
-def _slots(opt: ShardedOptimizer) -> Iterator[tuple[str, torch.Tensor]]:
-    """(key, 1-D fp32 view of a bucket's residual) for every piece of every chunk this rank
-    sends quantized with error feedback."""
+def _replica(opt: ShardedOptimizer) -> int | None:
+    """This rank's index in its replica group; None when not hybrid (flat keys)."""
+    replicas = opt.group.replicas
+    return None if replicas is None or replicas.size == 1 else replicas.rank
+
+
+def _ranges(
+    flat: FlatParamBuffer, chunk: int, lo: int, hi: int
+) -> Iterator[tuple[str, int, int, int]]:
+    """(name, param start, param end, offset from ``lo``) of each parameter's elements in
+    ``[lo, hi)`` of chunk ``chunk`` of ``flat``."""
+    for piece in flat.layout.pieces(chunk):
+        start, end = max(lo, piece.shard_start), min(hi, piece.shard_start + piece.numel)
+        if start < end:
+            first = piece.param_start + start - piece.shard_start
+            yield flat.names[piece.index], first, first + end - start, start - lo
+
+
+def _slots(opt: ShardedOptimizer, replica: int | None) -> Iterator[tuple[str, torch.Tensor]]:
+    """(key, 1-D fp32 view of a residual) for every piece this rank sends quantized with
+    error feedback; keys name replica ``replica`` (None: flat keys)."""
     n, rank = opt.group.size, opt.group.rank
+    within = PREFIX if replica is None else f"residual@replica{replica}/"
+    across = f"residual-across@replica{replica}/"
     for bucket in opt.buckets:
-        if bucket.residual is None:
-            continue
         flat = bucket.flat
-        for k in range(1, n):
-            row = bucket.residual[k - 1]
-            for piece in flat.layout.pieces((rank + k) % n):
-                name = flat.names[piece.index]
-                key = f"{PREFIX}{name}/{piece.param_start}-{piece.param_end}"
-                yield key, row[piece.shard_start : piece.shard_start + piece.numel]
+        if bucket.residual is not None:
+            shard = flat.layout.shard_numel
+            for k in range(1, n):
+                row = bucket.residual[k - 1]
+                for name, start, end, at in _ranges(flat, (rank + k) % n, 0, shard):
+                    yield f"{within}{name}/{start}-{end}", row[at : at + end - start]
+        if bucket.replica_residual is not None and replica is not None:
+            r, piece = bucket.replica_residual.shape
+            targets = [((replica + k) % r, "send") for k in range(1, r)] + [(replica, "gather")]
+            for row, (d, phase) in zip(bucket.replica_residual, targets):
+                for name, start, end, at in _ranges(flat, rank, d * piece, (d + 1) * piece):
+                    yield f"{across}{phase}/{name}/{start}-{end}", row[at : at + end - start]
 
 
 def residual_tensors(opt: ShardedOptimizer) -> dict[str, torch.Tensor]:
     """This rank's residuals by checkpoint key (views; the caller copies them to CPU)."""
-    return dict(_slots(opt))
+    return dict(_slots(opt, _replica(opt)))
+
+
+def gather_replica_residuals(opt: ShardedOptimizer) -> dict[str, torch.Tensor]:
+    """Hybrid sharding: the residuals of every other replica of this rank's shard, by their
+    keys, on the first replica (the one that writes the shard's file); {} elsewhere, and
+    when not hybrid or without residuals. Every rank of the replica group must call."""
+    q = _replica(opt)
+    replicas = opt.group.replicas
+    if q is None or replicas is None:
+        return {}
+    mine = list(_slots(opt, q))
+    if not mine:
+        return {}
+    # Slot keys and sizes follow from the layout, the shard and the replica index only:
+    # the writer lays out what replica q sent by its own _slots(opt, q).
+    sent = torch.cat([view.reshape(-1) for _, view in mine])
+    received = [torch.empty_like(sent) for _ in range(replicas.size)] if q == 0 else None
+    replicas.next_sequence()
+    work = dist.gather(
+        sent, received, dst=replicas.global_rank(0), group=replicas.pg, async_op=True
+    )
+    _bounded_wait(work, replicas, "checkpoint.save() (gathering replicas' residuals)")
+    if received is None:
+        return {}
+    out: dict[str, torch.Tensor] = {}
+    for other in range(1, replicas.size):
+        at = 0
+        for key, view in _slots(opt, other):
+            out[key] = received[other][at : at + view.numel()]
+            at += view.numel()
+    return out
 
 
 def read_residuals(
-    f: Any, opt: ShardedOptimizer, same_world: bool
+    file: Path | None, opt: ShardedOptimizer
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """(target view, saved values) for every residual of ``opt``, read from this rank's open
-    safetensors file ``f``; [] when they cannot be restored exactly (see the module
-    docstring), after a warning. Reads only."""
-    slots = list(_slots(opt))
+    """(target view, saved values) for every residual of ``opt``, read from ``file`` (the
+    saved file of this rank's shard when the checkpoint's layout is this one, else None);
+    zeros when they cannot be restored exactly (see the module docstring), after a
+    warning. Reads only."""
+    slots = list(_slots(opt, _replica(opt)))
     if not slots:
         return []
-    keys = set(f.keys())
-    if same_world and all(key in keys for key, _ in slots):
-        pairs = [(target, f.get_tensor(key)) for key, target in slots]
-        if all(values.shape == target.shape for target, values in pairs):
-            return pairs
+    if file is not None:
+        with safe_open(file, framework="pt") as f:
+            keys = set(f.keys())
+            if all(key in keys for key, _ in slots):
+                pairs = [(target, f.get_tensor(key)) for key, target in slots]
+                if all(values.shape == target.shape for target, values in pairs):
+                    return pairs
     logger.warning(
         "%s zerolite: the checkpoint holds no error-feedback residuals for this world size and "
         "layout; they restart from zero (at most one exchange's quantization error is dropped)",

@@ -66,6 +66,7 @@ from zerolite.checkpoint.json_codec import encode
 from zerolite.checkpoint.markers import Markers
 from zerolite.checkpoint.pending_save import PendingSave, finish_in_flight, start
 from zerolite.checkpoint.rank_file import model_only_tensors, rank_file, state_dict_names
+from zerolite.checkpoint.residuals import gather_replica_residuals
 from zerolite.checkpoint.schedulers import scheduler_entries
 from zerolite.checkpoint.shard_writer import layout, shard_chunks, write_shard
 from zerolite.checkpoint.staging import staging_area
@@ -317,8 +318,11 @@ def _write_and_commit(
     writes = shards.replicas is None or shards.replicas.rank == 0
     record = b""
     with agreed("zerolite.checkpoint.save() (writing shards)", group):
+        # First, before anything that can fail alone: a collective over the replica group.
+        others = gather_replica_residuals(optimizer)
         if writes:
             file = rank_file(model, optimizer)
+            file.tensors.update(others)  # hybrid: the other replicas' residuals of this shard
             slots = layout(file.tensors)
             # One tensor at a time: offloaded values are read from their tier as written.
             size, sha = write_shard(

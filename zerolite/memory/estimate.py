@@ -89,9 +89,10 @@ def _breakdown(
     unmanaged: list[nn.Parameter],
     frozen: list[FlatLayout],
     offload: OffloadLayout | None = None,
+    replicas: int = 1,
 ) -> MemoryBreakdown:
     """``frozen``: stage 3's buffers of frozen parameters (sharded, no gradient, no state);
-    ``offload``: what moves to the tier."""
+    ``offload``: what moves to the tier; ``replicas``: hybrid sharding's replica groups."""
     policy = STAGES[config.stage]
     p = _size(config.param_dtype)
     g = _size(config.grad_dtype)  # reduced gradients (the buckets and their shards)
@@ -146,7 +147,9 @@ def _breakdown(
         master=master,
         optimizer_state=state,
         transient=transient,
-        residual=4 * sum(residual_numel(b.layout.shard_numel, world, config) for b in buffers),
+        residual=4 * sum(
+            residual_numel(b.layout.shard_numel, world, config, replicas) for b in buffers
+        ),
         ownership_imbalance=layout_imbalance(b.layout for b in buffers),
         offloaded=0 if offload is None else offload.nbytes,
         offload_tier=None if offload is None else offload.tier,
@@ -231,7 +234,9 @@ def estimate(
             config=config, rank=rank % shards, world_size=shards,
         )
     # A world rank's shard is its rank within its shard group (consecutive blocks of k).
-    return _breakdown(buffers, opt, config, rank % shards, unmanaged, frozen, offload)
+    return _breakdown(
+        buffers, opt, config, rank % shards, unmanaged, frozen, offload, world_size // shards
+    )
 
 
 def _count(value: object) -> int:
@@ -287,4 +292,5 @@ def estimate_sharded(opt) -> MemoryBreakdown:  # noqa: ANN001 - a ShardedOptimiz
         unmanaged,
         [f.layout for f in opt.frozen_flats],
         None if opt.shard_state.offload is None else opt.shard_state.offload.layout,
+        opt.group.world.size // opt.group.size,
     )

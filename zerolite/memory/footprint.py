@@ -10,9 +10,11 @@
 - ``optimizer_state``: every tensor in the wrapped optimizer's ``state`` (moments, and
   scalar state such as Adam's 0-dim ``step``: 4 bytes per master piece);
 - ``residual``: ``ZeroConfig.quantize_reduce``'s error-feedback residuals, fp32, what this
-  rank's contributions to the other ranks' chunks lost: 4 (N-1)/N bytes per parameter
+  rank's contributions to the other ranks' chunks lost: 4 (N-1)/N bytes per parameter;
+  with hybrid sharding over shard groups of k, 4 (k-1)/k within the group plus 4/k for
+  the quantized cross-node step (`zerolite.quantized_replicas`)
   (``quantize_gather`` costs no residual, but in fp32 stages 1-2 it makes the master a
-  copy: 4/N bytes per parameter under ``master``);
+  copy: 4/N bytes per parameter under ``master``, 4/k with hybrid sharding);
 - ``transient``: buffers alive only around communication or the step (stage-2 gradient
   buckets in flight, stage-1 reduced shards during the step, full-size gradients not
   yet moved into a bucket). A measurement reports what is alive at that moment.
@@ -150,7 +152,9 @@ def footprint(opt: ShardedOptimizer) -> MemoryBreakdown:
     other_grads = [p.grad for p in model_params if not _in_flats(p, opt)]
     grads = census.count(persistent + other_grads)
     state = census.count(_state_tensors(opt))
-    residual = census.count(b.residual for b in opt.buckets)
+    residual = census.count(
+        [b.residual for b in opt.buckets] + [b.replica_residual for b in opt.buckets]
+    )
     transient = census.count(
         [b.shard if b.keep_full else b.full for b in opt.buckets]
         + [p.grad for p in model_params]
@@ -204,7 +208,9 @@ def formula(
         quantize_gather: ``ZeroConfig.quantize_gather`` (fp32 stages 1-2 at N > 1: the
             master becomes a 4-byte copy).
         error_feedback: ``ZeroConfig.quantize_reduce`` with ``error_feedback``: a 4-byte
-            residual per parameter and other rank, 4 (N-1)/N bytes per parameter.
+            residual per parameter and other rank, 4 (N-1)/N bytes per parameter; with
+            hybrid sharding, 4 (k-1)/k within the shard group plus 4/k for the cross-node
+            step (when N > k).
         shard_group_size: k, hybrid sharding (`zerolite.hybrid`): states are sharded over
             k ranks, not N (stage 3 in fp32 with Adam: 16Ψ/k); None means N.
     Returns:
@@ -248,5 +254,7 @@ def formula(
         optimizer_state=state - off_state,
         offloaded=off_master + off_state,
         offload_tier=offload,
-        residual=round(4 * psi * (world_size - 1) / world_size) if error_feedback else 0,
+        residual=round(4 * (psi * (k - 1) / k + (psi / k if k < world_size else 0)))
+        if error_feedback
+        else 0,
     )

@@ -50,7 +50,9 @@ def sharded_state_dict(opt: ShardedOptimizer) -> dict[str, Any]:
 
 
 def _residuals(opt: ShardedOptimizer) -> list[torch.Tensor]:
-    return [b.residual for b in opt.buckets if b.residual is not None]
+    """Every error-feedback residual: the shard group's, then (hybrid) the cross-node step's."""
+    within = [b.residual for b in opt.buckets if b.residual is not None]
+    return within + [b.replica_residual for b in opt.buckets if b.replica_residual is not None]
 
 
 def _group_names(opt: ShardedOptimizer) -> list[list[str]]:
