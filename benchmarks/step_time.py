@@ -16,6 +16,9 @@ parameters with fp32 master shards):
     zl2-hybrid/zl3-hybrid  stage 2 / 3 with ZeroConfig(shard_group_size=--node-size):
                  sharded within each "node" of --node-size consecutive ranks, gradient
                  shards all-reduced across nodes (not in the default list)
+    zl2-hybrid-q/zl3-hybrid-q  the same with quantize_gather and quantize_reduce: int8
+                 blocks within the node and, for the gradient shards, across nodes
+                 (`zerolite.quantized_replicas`; not in the default list)
 
 Per system it prints the median step time, its ratio ("x base") to DDP's median in the
 same round (a -disk system: to the same stage in RAM; mean and spread over rounds), tokens/s,
@@ -25,10 +28,13 @@ step, counted by a pass-through spy on torch.distributed in a separate counting 
 (elements one rank sends, as a ring would: all-reduce 2(N-1)/N of the buffer,
 all-gather and reduce-scatter (N-1)/N, point-to-point what is sent, N the call's group),
 and the same elements split by link: within a "node" (``--node-size`` consecutive ranks)
-or across nodes. A point-to-point send is on one link; a collective whose group spans
-nodes is counted across in full (an upper bound: a ring crosses nodes on some hops only).
+or across nodes, and the bytes per link ("within MB", "across MB": elements times their
+size, so the int8 codes and fp32 scales of a quantized message count as the bytes they
+are). A point-to-point send is on one link; a collective whose group spans nodes is
+counted across in full (an upper bound: a ring crosses nodes on some hops only).
 
     python benchmarks/step_time.py --world-size 4 --systems zl2,zl2-hybrid --rounds 2
+    python benchmarks/step_time.py --world-size 4 --node-size 2 --systems zl2-hybrid,zl2-hybrid-q
 
     python benchmarks/step_time.py [--rounds 5] [--dtypes fp32,bf16] [--device cuda]
     python benchmarks/step_time.py --systems zl2,zl3,zl2-disk,zl3-disk --dtypes bf16
@@ -69,9 +75,10 @@ WARMUP, TIMED = 3, 10
 TRACKED = 5  # zerolite systems: steps after the timed ones, each peak RSS read by track()
 SYSTEMS = ("ddp", "zero1", "fsdp2", "zl1", "zl2", "zl3")
 STAGE = {"ddp": 0, "zero1": 1, "fsdp2": 3, "zl1": 1, "zl2": 2, "zl3": 3, "zl2-disk": 2,
-         "zl3-disk": 3, "zl2-hybrid": 2, "zl3-hybrid": 3}
+         "zl3-disk": 3, "zl2-hybrid": 2, "zl3-hybrid": 3, "zl2-hybrid-q": 2, "zl3-hybrid-q": 3}
 SPIED = ("isend", "irecv", "all_reduce", "broadcast", "all_gather", "reduce_scatter_single",
-         "all_gather_single", "reduce_scatter_tensor", "all_gather_into_tensor")
+         "all_gather_single", "reduce_scatter_tensor", "all_gather_into_tensor",
+         "all_to_all_single")
 
 
 def _sent(name: str, numel: int, n: int) -> float:
@@ -81,7 +88,8 @@ def _sent(name: str, numel: int, n: int) -> float:
     if name == "all_reduce":
         return 2 * numel * (n - 1) / n
     # first arg: the output
-    if name in ("all_gather", "all_gather_single", "all_gather_into_tensor"):
+    if name in ("all_gather", "all_gather_single", "all_gather_into_tensor",
+                "all_to_all_single"):
         return numel * (n - 1) / n
     if name in ("reduce_scatter_single", "reduce_scatter_tensor"):  # first arg: this rank's output
         return numel * (n - 1)
@@ -98,6 +106,7 @@ class CommSpy:
         self.elements: dict[str, float] = defaultdict(float)
         self.bytes: dict[str, float] = defaultdict(float)
         self.links: dict[str, float] = {"within": 0.0, "across": 0.0}
+        self.link_bytes: dict[str, float] = {"within": 0.0, "across": 0.0}
         self.node_size = node_size
         self._saved: dict[str, object] = {}
 
@@ -117,7 +126,9 @@ class CommSpy:
                     if _name != "irecv":  # what this rank sends
                         nodes = {r // self.node_size for r in ranks}
                         mine = dist.get_rank() // self.node_size
-                        self.links["within" if nodes == {mine} else "across"] += sent
+                        link = "within" if nodes == {mine} else "across"
+                        self.links[link] += sent
+                        self.link_bytes[link] += sent * tensor.element_size()
                 return _original(*args, **kwargs)
 
             setattr(dist, name, spy)
@@ -151,7 +162,8 @@ def _build(system: str, dtype: str, device: torch.device, offload_dir: str, node
         cfg = zerolite.ZeroConfig(
             stage=STAGE[system], param_dtype=torch.bfloat16 if dtype == "bf16" else torch.float32,
             offload=offload, offload_dir=offload_dir if offload else None,
-            shard_group_size=node_size if system.endswith("-hybrid") else None,
+            shard_group_size=node_size if "-hybrid" in system else None,
+            quantize_gather=system.endswith("-q"), quantize_reduce=system.endswith("-q"),
         )
         opt = zerolite.shard(model, torch.optim.AdamW(groups, lr=3e-4), cfg)
         return model, model, opt, autocast, lambda: footprint(opt)
@@ -269,7 +281,8 @@ def _timed(model, module, opt, autocast, measure, system, device, node_size) -> 
         )
     mem = measured[0]
     return {"times": times, "cpu": cpu, "elements": dict(spy.elements),
-            "bytes": dict(spy.bytes), "links": spy.links, "memory": mem,
+            "bytes": dict(spy.bytes), "links": spy.links, "link_bytes": spy.link_bytes,
+            "memory": mem,
             "numel": sum(p.numel() for p in model.parameters())}
 
 
@@ -319,7 +332,8 @@ def main() -> None:
     header = (
         f"{'system':10s} {'dtype':5s} {'median ms':>9s} {'x base':>6s} {'spread':>13s} "
         f"{'tok/s':>7s} {'states MB':>9s} {'/formula':>8s} {'trans MB':>8s} {'wire MB':>7s} "
-        f"{'within M':>8s} {'across M':>8s}  elements per step by call"
+        f"{'within M':>8s} {'across M':>8s} {'within MB':>9s} {'across MB':>9s}  "
+        "elements per step by call"
     )
     print(header)
     for dtype in args.dtypes.split(","):
@@ -332,17 +346,20 @@ def main() -> None:
                           param_dtype=torch.bfloat16 if dtype == "bf16" and system.startswith("zl")
                           else torch.float32,
                           offload="disk" if system.endswith("-disk") else None,
-                          shard_group_size=args.node_size if system.endswith("-hybrid") else None)
+                          shard_group_size=args.node_size if "-hybrid" in system else None,
+                          quantize_gather=system.endswith("-q"),
+                          error_feedback=system.endswith("-q"))
             elements = ", ".join(
                 f"{k}={v / 1e6:.2f}M" for k, v in sorted(runs[-1]["elements"].items())
             )
-            links = runs[-1]["links"]
+            links, link_bytes = runs[-1]["links"], runs[-1]["link_bytes"]
             print(
                 f"{system:10s} {dtype:5s} {med * 1e3:9.1f} {statistics.mean(rs):6.3f} "
                 f"{min(rs):6.3f}-{max(rs):6.3f} {tokens / med:7.0f} {mem.model_states / 1e6:9.1f} "
                 f"{mem.model_states / ref.model_states:8.3f} {mem.transient / 1e6:8.1f} "
                 f"{sum(runs[-1]['bytes'].values()) / 1e6:7.1f} "
-                f"{links['within'] / 1e6:8.2f} {links['across'] / 1e6:8.2f}  {elements}"
+                f"{links['within'] / 1e6:8.2f} {links['across'] / 1e6:8.2f} "
+                f"{link_bytes['within'] / 1e6:9.2f} {link_bytes['across'] / 1e6:9.2f}  {elements}"
             )
     _offload_table(systems, args.dtypes.split(","), results)
 

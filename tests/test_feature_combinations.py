@@ -40,6 +40,7 @@ from tests.test_tensor_ownership import BUILDERS, oracle, shard
 from zerolite import ZeroConfig
 from zerolite import checkpoint as ckpt
 from zerolite.checkpoint.commit import HOLD_ENV
+from zerolite.memory import estimate
 from zerolite.shard_state import state_of
 from zerolite.testing import FootprintMismatch, assert_footprint, run_ranks
 
@@ -128,8 +129,12 @@ def _hybrid_quantized() -> dict:
             params = torch.cat([v.float().flatten() for v in _full(model).values()])
             all_params: list = [None] * dist.get_world_size()
             dist.all_gather_object(all_params, params)
+            fresh = parity.make_model()
+            predicted = estimate(fresh, world_size=dist.get_world_size(), config=config,
+                                 optimizer=parity.make_optimizer("AdamW", fresh), rank=rank)
             try:
-                assert_footprint(opt)
+                assert_footprint(opt)  # against estimate_sharded
+                assert_footprint(opt, expected=predicted)
                 footprint = "ok"
             except FootprintMismatch as exc:
                 footprint = str(exc)

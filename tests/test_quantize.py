@@ -168,6 +168,21 @@ def test_formula_counts_the_residual_and_the_fp32_master_copy() -> None:
     assert formula(1000, world_size=4, stage=3, quantize_gather=True).master == 0
 
 
+def test_formula_counts_the_cross_node_residual_of_hybrid_sharding() -> None:
+    # k = 2 of 4: 4 (k-1)/k within the shard group, 4/k for the cross-node step.
+    hybrid = formula(1000, world_size=4, stage=2, error_feedback=True, shard_group_size=2)
+    assert hybrid.residual == 4 * 1000 // 2 + 4 * 1000 // 2
+    # k = 1: nothing within, the whole gradient crosses; k = N: no cross-node step.
+    assert formula(1000, world_size=4, stage=2, error_feedback=True,
+                   shard_group_size=1).residual == 4 * 1000
+    assert formula(1000, world_size=4, stage=2, error_feedback=True,
+                   shard_group_size=4).residual == 4 * 1000 * 3 // 4
+    assert formula(1000, world_size=4, stage=2, quantize_gather=True,
+                   shard_group_size=2).master == 4 * 1000 // 2
+    assert formula(1000, world_size=4, stage=2, quantize_gather=True,
+                   shard_group_size=1).master == 0
+
+
 def test_a_chunk_of_raw_elements_only_travels_exactly() -> None:
     codec = ChunkCodec(10, [(0, 10)], torch.float32, BLOCK)
     assert codec.blocks == 0 and codec.nbytes == 40

@@ -14,7 +14,9 @@ change:
 - Gradients: each bucket is reduce-scattered within the shard group (the average over
   its k ranks), then every shard is all-reduced across its replica group and divided by
   R (`average_across_replicas`): the average over all N ranks, as DDP. Only Ψ/k
-  elements per rank cross the slow link, 2 (R-1)/R Ψ/k per step.
+  elements per rank cross the slow link, 2 (R-1)/R Ψ/k per step. With
+  ``quantize_reduce`` that step is a two-phase quantized mean instead
+  (`zerolite.quantized_replicas`): int8 blocks, bitwise-equal results on every replica.
 - Agreement: whatever all N ranks must agree on (the plan at `shard()`, the step's
   gradient flags and lockstep counters, checkpoints, rank 0's initial values) runs over
   ``group.world``. A flat `Group` is its own world.

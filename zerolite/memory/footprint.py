@@ -240,7 +240,8 @@ def formula(
     p = torch.empty(0, dtype=param_dtype).element_size()
     kept_grad_dtype = policy.grad_dtype(param_dtype, reduce_dtype or param_dtype)
     g = torch.empty(0, dtype=kept_grad_dtype).element_size()
-    copied = quantize_gather and world_size > 1 and not policy.shards_parameters
+    # The gather runs over the k ranks of a shard group: none travels at k = 1.
+    copied = quantize_gather and k > 1 and not policy.shards_parameters
     master_bytes = 0 if param_dtype == torch.float32 and not copied else 4
     state_bytes = STATE_BYTES_PER_PARAM[optimizer]
     master = round(master_bytes * held(policy.shards_optimizer_state))
