@@ -2,7 +2,8 @@
 
 `CommSpy` records each call (name, elements, calling zerolite collective, phase, peers)
 and calls the real function, so the ranks still communicate over their real gloo groups.
-`link_elements` splits what a rank sends by link (within its node, across nodes).
+`link_elements` (`link_bytes`) splits what a rank sends by link (within its node, across
+nodes).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import torch
 import torch.distributed as dist
 from typing_extensions import Self
 
-__all__ = ["CommSpy", "link_elements", "peers"]
+__all__ = ["CommSpy", "link_bytes", "link_elements", "peers"]
 
 _SPIED = (
     "isend", "irecv", "send", "recv", "batch_isend_irecv",
@@ -48,14 +49,24 @@ def link_elements(events, node_size: int) -> dict[str, float]:
     flags (the step's agreement). A point-to-point send counts its elements on its link; an
     all-reduce of n elements over R ranks counts 2 (R-1)/R n (what a ring sends per rank),
     across nodes when its group spans more than one node."""
+    return _by_link(events, node_size, 1)
+
+
+def link_bytes(events, node_size: int) -> dict[str, float]:
+    """`link_elements` in bytes on the wire (a quantized message counts its bytes)."""
+    return _by_link(events, node_size, 6)
+
+
+def _by_link(events, node_size: int, field: int) -> dict[str, float]:
     me = dist.get_rank()
     node = me // node_size
     out = {"within": 0.0, "across": 0.0, "control": 0.0}
-    for name, numel, _caller, _phase, ranks, dtype, _nbytes in events:
+    for event in events:
+        name, ranks, dtype, amount = event[0], event[4], event[5], event[field]
         if name == "isend":
-            out["within" if ranks[0] // node_size == node else "across"] += numel
+            out["within" if ranks[0] // node_size == node else "across"] += amount
         elif name == "all_reduce" and len(ranks) > 1:
-            sent = 2 * (len(ranks) - 1) / len(ranks) * numel
+            sent = 2 * (len(ranks) - 1) / len(ranks) * amount
             if dtype is not None and not dtype.is_floating_point:
                 out["control"] += sent
             else:

@@ -8,7 +8,9 @@ gloo groups.
   the reduced piece); with error feedback the mean of 20 repeated exchanges converges
   to the exact mean (without it the bias stays); a NaN in a contribution, sent or kept,
   reaches every replica as a NaN block, and the residuals stay finite.
-- Training at 4 ranks, k = 2 (stage 2 bf16), in tests/test_feature_combinations.py.
+- Bytes per rank and step across nodes (4 ranks as 2 "nodes" of 2, k = 2, stage 2):
+  quantized <= 0.27x of fp32 and <= 0.53x of bf16 unquantized, within the node too.
+- Training at 4 ranks, k = 2 (stages 2 and 3), in tests/test_feature_combinations.py.
 - Checkpoints at 4 ranks, k = 2: a resume continues bit for bit (every replica's
   residuals of both kinds restored, the second replica group's through the first's
   files); zeroing them at the load changes the run (so the test can fail); a load at
@@ -24,7 +26,9 @@ import torch
 import torch.distributed as dist
 
 import zerolite
+from examples.gpt import GPT, GPTConfig, random_batch
 from tests import parity
+from tests.comm_spy import CommSpy, link_bytes
 from tests.test_quantized_collectives import BLOCK, _bound, _warnings
 from zerolite import ZeroConfig
 from zerolite import checkpoint as ckpt
@@ -117,6 +121,39 @@ def test_two_phase_exchange_is_identical_bounded_and_fed_back() -> None:
             assert without > 0 and with_feedback < 0.2 * without, r["errors"]
             for poisoner in (1, 0):
                 assert r[f"nan_from_{poisoner}"] and r[f"residual_finite_{poisoner}"], r
+
+
+WIRE = GPTConfig(vocab_size=1024, seq_len=32, n_layer=2, n_head=2, d_model=256)
+
+
+def _link_bytes_rank() -> dict:
+    """Bytes this rank sends in one stage-2 step, by link (2 "nodes" of 2), per (dtype,
+    quantized)."""
+    sent = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        for quantize in (False, True):
+            torch.manual_seed(0)
+            model = GPT(WIRE)
+            config = ZeroConfig(stage=2, param_dtype=dtype, shard_group_size=2,
+                                quantize_gather=quantize, quantize_reduce=quantize)
+            opt = zerolite.shard(model, torch.optim.AdamW(model.parameters()), config)
+            x, y = random_batch(WIRE, 2, seed=dist.get_rank())
+            with CommSpy() as spy:
+                model(x, y).backward()
+                opt.step()
+            sent[(str(dtype), quantize)] = link_bytes(spy.events, 2)
+    return sent
+
+
+def test_bytes_across_nodes_per_step() -> None:
+    """Across nodes, quantized: <= 0.27x of fp32 and <= 0.53x of bf16 (int8 codes, scales
+    at 4/256 bytes per element); within the node the flat exchanges' ratios."""
+    for sent in run_ranks(_link_bytes_rank, 4, timeout=TIMEOUT):
+        for dtype, bound in ((torch.float32, 0.27), (torch.bfloat16, 0.53)):
+            plain, quantized = sent[(str(dtype), False)], sent[(str(dtype), True)]
+            for link in ("across", "within"):
+                assert plain[link] > 0 and quantized[link] <= bound * plain[link], (
+                    dtype, link, plain, quantized)
 
 
 def _residuals(opt) -> list[torch.Tensor]:
