@@ -18,9 +18,14 @@ feature; one 4-rank launch (hybrid) and one 2-rank launch run every case:
    optimizer state (read through the tier) and non-zero residuals of the call.
 4. offload + ``quantize_gather`` / ``quantize_reduce``, stage 2 bf16: bitwise the quantized
    run in memory.
-5. the refused combinations (offload + "tensor", quantization + "tensor", quantization +
-   hybrid, async save + hybrid) raise a ValueError naming both settings on every rank,
-   before the model, the inner optimizers or the checkpoint directory change.
+5. the refused combinations (offload + "tensor", quantization + "tensor", async save +
+   hybrid) raise a ValueError naming both settings on every rank, before the model, the
+   inner optimizers or the checkpoint directory change.
+6. hybrid (k = 2) + ``quantize_gather`` / ``quantize_reduce`` / both, stage 2 bf16, and
+   both at stage 3 fp32, against the same hybrid unquantized: per-step loss within the
+   quantized tests' 1e-2 relative; the two replicas of each shard bitwise equal (masters,
+   gradient shards); every rank's parameters equal; footprint == estimate (the cross-node
+   residual included).
 """
 
 from __future__ import annotations
