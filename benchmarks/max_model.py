@@ -48,9 +48,10 @@ from zerolite.testing import RankFailure, run_ranks  # noqa: E402
 WORLD = 4
 STEPS = 3
 SEQ, VOCAB = 32, 8192
-# (d_model, n_layer): n_layer = d_model / 64, d_model in steps of 128; about
-# 12 * n_layer * d_model^2 + 2 * vocab * d_model parameters (1.4M to 2.9B).
-LADDER = [(d, d // 64) for d in range(128, 2561, 128)]
+# (d_model, n_layer): n_layer = d_model / 64, d_model in steps of 64 (each rung about
+# 10-20 % more parameters than the last, so a system's largest size is found to that);
+# about 12 * n_layer * d_model^2 + 2 * vocab * d_model parameters (1.4M to 2.9B).
+LADDER = [(d, d // 64) for d in range(128, 2561, 64)]
 SYSTEMS = ("ddp", "zl3", "zl3-disk")
 # A rank's memory beyond its model states and transient buffers: the interpreter, torch,
 # gloo, the allocator's slack and the activations of one short sequence.

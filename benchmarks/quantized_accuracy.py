@@ -4,10 +4,13 @@ Accuracy: examples/train_gpt.py's training (its GPT: 4 layers, d_model 128, voca
 seq 128; its data: the standard library's source as bytes; AdamW(lr 2e-3, betas
 (0.9, 0.95), weight decay 0.1), 20-step warm-up, clipping at 1.0, micro-batch 8 per rank)
 on 2 gloo ranks, bf16 parameters, run with zerolite.shard directly (the same arithmetic as
-its Accelerate loop). Per stage (2, 3) and setting (none, gather, reduce, both,
+its Accelerate loop). Per stage (2, 3), setting (none, gather, reduce, both,
 reduce / both without error feedback, and reduce with coarse 4096-element blocks with and
-without error feedback) it prints the mean loss over the last 50 steps
-and its relative difference to the unquantized run, and draws the loss curves into
+without error feedback) and seed (``--seeds``: the initial weights and where in the text
+the batches come from) it trains once; it prints the mean loss over the last 50 steps
+averaged over seeds, and its relative difference to the unquantized run of the same seed
+(mean and range over seeds: bf16 rounding alone moves a single run by about half a
+percent, so one seed cannot resolve a 1 % goal). It draws seed 0's loss curves into
 benchmarks/quantized_accuracy.png (only where matplotlib is installed: it is not a
 zerolite dependency).
 
@@ -20,8 +23,11 @@ which quantizing pays for its own cost (the saved bytes divided by the extra tim
 Codec: the quantizer's own cost on one thread, without communication, and the link speed
 below which it pays (less noisy than step times on a shared machine).
 
-    python benchmarks/quantized_accuracy.py [--steps 300] [--stages 2,3]
-        [--parts accuracy,wire,codec]
+    python benchmarks/quantized_accuracy.py [--steps 300] [--stages 2,3] [--seeds 3]
+        [--settings none,reduce,...] [--parts accuracy,wire,codec] [--save runs.json]
+
+Error feedback's effect at the loss level is clearest where a block's scale is set by one
+loud element: benchmarks/error_feedback_toy.py.
 """
 
 from __future__ import annotations
@@ -53,21 +59,23 @@ SETTINGS = {
     "gather": {"quantize_gather": True},
     "reduce": {"quantize_reduce": True},
     "both": {"quantize_gather": True, "quantize_reduce": True},
-    "reduce, no EF": {"quantize_reduce": True, "error_feedback": False},
-    "both, no EF": {"quantize_gather": True, "quantize_reduce": True, "error_feedback": False},
+    "reduce no-EF": {"quantize_reduce": True, "error_feedback": False},
+    "both no-EF": {"quantize_gather": True, "quantize_reduce": True, "error_feedback": False},
     # Coarse blocks (larger quantization errors) make error feedback's effect larger.
-    "reduce, B=4096": {"quantize_reduce": True, "quant_block": 4096},
-    "reduce, B=4096, no EF": {"quantize_reduce": True, "quant_block": 4096,
+    "reduce B=4096": {"quantize_reduce": True, "quant_block": 4096},
+    "reduce B=4096 no-EF": {"quantize_reduce": True, "quant_block": 4096,
                               "error_feedback": False},
 }
 LAST = 50
+SEED_STRIDE = 100_000  # seed s reads the batches of steps s * SEED_STRIDE + i
 PNG = ROOT / "benchmarks" / "quantized_accuracy.png"
 
 
-def _train_rank(stage: int, setting: str, steps: int) -> dict:
-    """train_gpt.py's loop on this rank; returns per-step mean loss over ranks and times."""
+def _train_rank(stage: int, setting: str, steps: int, seed: int) -> dict:
+    """train_gpt.py's loop on this rank; returns per-step mean loss over ranks and times.
+    ``seed`` picks the initial weights and where in the text the batches come from."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     model = GPT(TRAIN_GPT)
     optimizer = torch.optim.AdamW(
         param_groups(model, weight_decay=0.1), lr=2e-3, betas=(0.9, 0.95)
@@ -78,7 +86,7 @@ def _train_rank(stage: int, setting: str, steps: int) -> dict:
     tokens = stdlib_text(4_000_000)
     losses, times = [], []
     for step in range(steps):
-        x, y = batch_at(tokens, step, 8 * world, TRAIN_GPT.seq_len)
+        x, y = batch_at(tokens, step + SEED_STRIDE * seed, 8 * world, TRAIN_GPT.seq_len)
         start = time.perf_counter()
         loss = model(x[rank::world], y[rank::world])
         loss.backward()
@@ -119,33 +127,47 @@ def _wire_rank(stage: int, dtype: torch.dtype, quantize: bool, timed: int) -> di
     return {"bytes": sum(spy.bytes.values()), "step_s": statistics.median(times)}
 
 
-def accuracy(stages: list[int], steps: int, save: Path | None) -> dict:
-    """Train every (stage, setting), essential runs first; print each as it lands; keep
-    the loss curves in ``save`` (JSON) after each run, so a cut-off run keeps its results."""
+def accuracy(stages: list[int], steps: int, seeds: int, settings: list[str],
+             save: Path | None) -> dict:
+    """Train every (stage, setting, seed), essential runs first; print each setting once
+    all its seeds landed; keep the loss curves in ``save`` (JSON) after each run, so a
+    cut-off run keeps its results."""
     runs: dict = json.loads(save.read_text()) if save is not None and save.exists() else {}
-    order = [(stage, s) for s in ("none", "both", "gather", "reduce") for stage in stages]
-    order += [(stage, s) for s in SETTINGS for stage in stages if (stage, s) not in order]
+    first = [s for s in ("none", "both", "gather", "reduce") if s in settings]
+    order = [(stage, s) for s in first for stage in stages]
+    order += [(stage, s) for s in settings for stage in stages if (stage, s) not in order]
     print(f"examples/train_gpt.py's GPT, {steps} steps, 2 ranks, bf16; mean loss over the "
-          f"last {LAST} steps", flush=True)
-    print(f"{'stage':>5s} {'quantized':21s} {'mean loss':>9s} {'vs none':>8s} {'step ms':>8s} "
-          f"{'x none':>7s}", flush=True)
+          f"last {LAST} steps, averaged over {seeds} seed(s); 'vs none' is the relative "
+          f"difference to the unquantized run of the same seed: mean [min, max] over seeds",
+          flush=True)
+    print(f"{'stage':>5s} {'quantized':21s} {'mean loss':>9s} {'vs none':>8s} "
+          f"{'[min, max]':>17s} {'step ms':>8s} {'x none':>7s}", flush=True)
     for stage, setting in order:
-        key = f"{stage}/{setting}"
-        if key not in runs:
-            runs[key] = run_ranks(_train_rank, 2, stage, setting, steps, timeout=7200)[0]
-            if save is not None:
-                save.write_text(json.dumps(runs))
-        _report(runs, stage, setting)
+        for seed in range(seeds):
+            key = f"{stage}/{setting}/{seed}"
+            if key not in runs:
+                runs[key] = run_ranks(_train_rank, 2, stage, setting, steps, seed,
+                                      timeout=7200)[0]
+                if save is not None:
+                    save.write_text(json.dumps(runs))
+        _report(runs, stage, setting, seeds)
     _plot(runs, stages)
     return runs
 
 
-def _report(runs: dict, stage: int, setting: str) -> None:
-    run, base = runs[f"{stage}/{setting}"], runs.get(f"{stage}/none")
-    mean = statistics.mean(run["losses"][-LAST:])
-    ref = statistics.mean(base["losses"][-LAST:]) if base else mean
-    print(f"{stage:5d} {setting:21s} {mean:9.4f} {100 * (mean - ref) / ref:+7.2f}% "
-          f"{1e3 * run['step_s']:8.1f} {run['step_s'] / base['step_s']:7.2f}", flush=True)
+def _report(runs: dict, stage: int, setting: str, seeds: int) -> None:
+    def tail(name: str, seed: int) -> float:
+        return statistics.mean(runs[f"{stage}/{name}/{seed}"]["losses"][-LAST:])
+
+    def step_s(name: str) -> float:
+        return statistics.median(runs[f"{stage}/{name}/{s}"]["step_s"] for s in range(seeds))
+
+    base = "none" if all(f"{stage}/none/{s}" in runs for s in range(seeds)) else setting
+    rel = [100 * (tail(setting, s) - tail(base, s)) / tail(base, s) for s in range(seeds)]
+    mean = statistics.mean(tail(setting, s) for s in range(seeds))
+    spread = f"[{min(rel):+.2f}, {max(rel):+.2f}]"
+    print(f"{stage:5d} {setting:21s} {mean:9.4f} {statistics.mean(rel):+7.2f}% {spread:>17s} "
+          f"{1e3 * step_s(setting):8.1f} {step_s(setting) / step_s(base):7.2f}", flush=True)
 
 
 def _plot(runs: dict, stages: list[int]) -> None:
@@ -160,13 +182,13 @@ def _plot(runs: dict, stages: list[int]) -> None:
     fig, axes = plt.subplots(1, len(stages), figsize=(6 * len(stages), 4), squeeze=False)
     for ax, stage in zip(axes[0], stages):
         for setting in SETTINGS:
-            if f"{stage}/{setting}" not in runs:
+            if f"{stage}/{setting}/0" not in runs:
                 continue
-            losses = runs[f"{stage}/{setting}"]["losses"]
+            losses = runs[f"{stage}/{setting}/0"]["losses"]
             # A 10-step running mean: single steps are noisy.
             smooth = [statistics.mean(losses[max(0, i - 9) : i + 1]) for i in range(len(losses))]
             ax.plot(smooth, label=setting, linewidth=1)
-        ax.set_title(f"stage {stage}, bf16, 2 ranks (10-step running mean)")
+        ax.set_title(f"stage {stage}, bf16, 2 ranks, seed 0 (10-step running mean)")
         ax.set_xlabel("step")
         ax.set_ylabel("loss")
         ax.set_ylim(top=3.0)
@@ -240,6 +262,10 @@ def main() -> None:
     )
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--stages", default="2,3")
+    parser.add_argument("--seeds", type=int, default=3,
+                        help="seeds per (stage, setting): init and data offset")
+    parser.add_argument("--settings", default=",".join(SETTINGS),
+                        help=f"comma-separated, from: {', '.join(SETTINGS)}")
     parser.add_argument("--parts", default="accuracy,wire,codec")
     parser.add_argument("--timed", type=int, default=8, help="timed steps per wire run")
     parser.add_argument(
@@ -250,7 +276,11 @@ def main() -> None:
     stages = [int(s) for s in args.stages.split(",")]
     parts = args.parts.split(",")
     if "accuracy" in parts:
-        accuracy(stages, args.steps, args.save)
+        settings = args.settings.split(",")
+        unknown = [name for name in settings if name not in SETTINGS]
+        if unknown:
+            parser.error(f"--settings: unknown {unknown}; choose from {list(SETTINGS)}")
+        accuracy(stages, args.steps, args.seeds, settings, args.save)
     if "wire" in parts:
         wire(stages, args.timed)
     if "codec" in parts:

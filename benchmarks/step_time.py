@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import math
 import os
 import statistics
@@ -241,7 +242,7 @@ def _run_system(
     result = _timed(model, module, opt, autocast, measure, system, device, node_size)
     if system.startswith("zl"):  # more steps, each tracked (hooks would skew the timing)
         rank, world = dist.get_rank(), dist.get_world_size()
-        peaks = []
+        peaks, held = [], []
         for s in range(TRACKED):
             x, y = random_batch(CFG, MICRO_BATCH * world, seed=s)
             rss0 = psutil.Process().memory_info().rss  # what track() grows from, at its start
@@ -249,10 +250,31 @@ def _run_system(
                 _one_step(module, opt, autocast, x[rank::world].to(device),
                           y[rank::world].to(device))
             peaks.append(rss0 + max(p.process for p in t.peaks.values()))
+            held.append(_heap_in_use())
         # RSS moves by tens of MB from step to step (activations, the allocator): a median.
         result["rss_peak"] = statistics.median(peaks)
+        result["held"] = None if None in held else statistics.median(held)
         result["offloaded"] = t.offloaded
     return result
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in (
+        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
+        "fordblks", "keepcost")]
+
+
+def _heap_in_use() -> int | None:
+    """Bytes the process's malloc has handed out and not taken back (glibc's
+    ``mallinfo2``: in-use heap chunks plus mmapped ones), or None elsewhere. Unlike RSS it
+    leaves out freed memory the allocator keeps for reuse."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallinfo2.restype = _MallInfo2
+    except (OSError, AttributeError):
+        return None
+    info = libc.mallinfo2()
+    return info.uordblks + info.hblkhd
 
 
 def _timed(model, module, opt, autocast, measure, system, device, node_size) -> dict:
@@ -365,14 +387,16 @@ def main() -> None:
 
 
 def _offload_table(systems, dtypes, results) -> None:
-    """Per -disk system: resident drop (peak RSS per rank, by track()) against its bytes."""
+    """Per -disk system: resident drop (peak RSS per rank, by track()) against its bytes,
+    and the drop in bytes malloc holds after the step (glibc only; RSS also counts freed
+    memory the allocator keeps, which varies by tens of MB from run to run)."""
     rows = [s for s in systems if s.endswith("-disk") and s.removesuffix("-disk") in systems]
     if not rows:
         return
     print("\n'x base' of a -disk row is its step time over the same stage in RAM.")
     print(f"{'system':8s} {'dtype':5s} {'RSS MB in RAM':>13s} {'RSS MB disk':>11s} "
           f"{'drop MB':>8s} {'on disk MB':>10s} {'drop/disk':>9s} {'CPU ms RAM':>10s} "
-          f"{'CPU ms disk':>11s} {'CPU x':>6s}")
+          f"{'CPU ms disk':>11s} {'CPU x':>6s} {'held drop MB':>12s} {'held/disk':>9s}")
     for dtype in dtypes:
         for system in rows:
             base = results[(system.removesuffix("-disk"), dtype)]
@@ -384,10 +408,14 @@ def _offload_table(systems, dtypes, results) -> None:
             # Rank 0's CPU time per timed step (its threads included), median over all.
             ram_cpu = statistics.median(c for r in base for c in r["cpu"])
             disk_cpu = statistics.median(c for r in disk for c in r["cpu"])
+            held = [statistics.median(r["held"] for r in runs) if runs[0]["held"] else None
+                    for runs in (base, disk)]
+            held_drop = (f"{(held[0] - held[1]) / 1e6:12.1f} {(held[0] - held[1]) / offloaded:9.2f}"
+                         if None not in held else f"{'n/a':>12s} {'n/a':>9s}")
             print(f"{system:8s} {dtype:5s} {ram_rss / 1e6:13.1f} {disk_rss / 1e6:11.1f} "
                   f"{(ram_rss - disk_rss) / 1e6:8.1f} {offloaded / 1e6:10.1f} "
                   f"{(ram_rss - disk_rss) / offloaded:9.2f} {ram_cpu * 1e3:10.1f} "
-                  f"{disk_cpu * 1e3:11.1f} {disk_cpu / ram_cpu:6.3f}")
+                  f"{disk_cpu * 1e3:11.1f} {disk_cpu / ram_cpu:6.3f} {held_drop}")
 
 
 if __name__ == "__main__":

@@ -117,16 +117,23 @@ def _chunks(
                         chunks.append(current)
                     current, room = [], tier.chunk_bytes
                 take = min(piece.numel - lo, max(1, room // per))
-                copied = {k: v.clone() if isinstance(v, torch.Tensor) else v
-                          for k, v in scalars.items()}
-                current.append(
-                    _Segment(slot, master, j, lo, lo + take, group, initialized, copied)
-                )
+                # The piece's last segment steps its own scalars (in place, as in memory);
+                # an earlier one a copy. No new long-lived tensors: allocated amid the
+                # step's freed temporaries, they would pin holes the next forward needs.
+                last = lo + take == piece.numel
+                current.append(_Segment(
+                    slot, master, j, lo, lo + take, group, initialized,
+                    dict(scalars) if last else _copy(scalars),
+                ))
                 room -= take * per
                 lo += take
     if current:
         chunks.append(current)
     return chunks
+
+
+def _copy(scalars: dict[str, Any]) -> dict[str, Any]:
+    return {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in scalars.items()}
 
 
 def _load(tier: OffloadTier, chunk: list[_Segment], buffer: int) -> list[_Segment]:
