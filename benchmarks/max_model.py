@@ -15,6 +15,7 @@ per system, the size, the peak RSS summed over ranks (each rank's ``VmHWM``), th
 on disk and the seconds per step.
 
     python benchmarks/max_model.py [--max-rss-gb 6] [--offload-dir DIR] [--systems ...]
+    python benchmarks/max_model.py --d-model 1216 --systems zl3,zl3-disk   # one size
 
 ``--max-rss-gb`` defaults to the machine's available memory: on a shared machine, give
 a cap. The time budget (``--budget-s``, 30 min) stops stepping down when spent. Not part
@@ -166,7 +167,13 @@ def main() -> None:
     parser.add_argument("--offload-dir", default=tempfile.gettempdir())
     parser.add_argument("--systems", default=",".join(SYSTEMS))
     parser.add_argument("--budget-s", type=float, default=1800.0)
+    parser.add_argument("--d-model", type=int, default=None,
+                        help="run only this rung (n_layer = d_model / 64), e.g. to compare "
+                             "two systems' RSS at one size")
     args = parser.parse_args()
+    if args.d_model is not None and (args.d_model, args.d_model // 64) not in LADDER:
+        parser.error(f"--d-model: {args.d_model} is not on the ladder (multiples of 64 from "
+                     f"{LADDER[0][0]} to {LADDER[-1][0]})")
     cap = int(args.max_rss_gb * 2**30)
     started = time.perf_counter()
     print(f"cap {args.max_rss_gb:.2f} GiB RSS over {WORLD} ranks; offload dir {args.offload_dir} "
@@ -183,6 +190,9 @@ def main() -> None:
         # Start at the estimate's largest fit; step up after a success, down after a failure
         # (the watchdog keeps every attempt under the cap, so stepping up is safe).
         i, tried = (max(fits) if fits else 0), set()
+        if args.d_model is not None:
+            i = LADDER.index((args.d_model, args.d_model // 64))
+            tried = {j for j in range(len(LADDER)) if j != i}
         while 0 <= i < len(LADDER) and i not in tried:
             if time.perf_counter() - started > args.budget_s:
                 print("  time budget spent", flush=True)
