@@ -119,7 +119,7 @@ def _wire_rank(stage: int, dtype: torch.dtype, quantize: bool, timed: int) -> di
         opt.zero_grad()
         if i >= 2:  # warm-up
             times.append(time.perf_counter() - start)
-    with CommSpy() as spy:
+    with CommSpy(node_size=world) as spy:  # one "node": every byte counts, on one link
         x, y = random_batch(BENCH, MICRO_BATCH * world, seed=timed + 2)
         model(x[rank::world], y[rank::world]).backward()
         opt.step()

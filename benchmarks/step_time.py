@@ -123,7 +123,8 @@ class CommSpy:
                     n = dist.get_world_size() if _name in ("isend", "irecv") else len(ranks)
                     sent = _sent(_name, tensor.numel(), n)
                     self.elements[_name] += sent
-                    self.bytes[_name] += sent * tensor.element_size()
+                    if _name != "irecv":  # bytes this rank sends (a receive is another's send)
+                        self.bytes[_name] += sent * tensor.element_size()
                     if _name != "irecv":  # what this rank sends
                         nodes = {r // self.node_size for r in ranks}
                         mine = dist.get_rank() // self.node_size
