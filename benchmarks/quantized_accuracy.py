@@ -47,7 +47,8 @@ sys.path.insert(0, str(ROOT))
 
 import zerolite  # noqa: E402
 from benchmarks.step_time import CFG as BENCH  # noqa: E402
-from benchmarks.step_time import MICRO_BATCH, CommSpy  # noqa: E402
+from benchmarks.step_time import MICRO_BATCH  # noqa: E402
+from benchmarks.wire_count import CommSpy  # noqa: E402
 from examples.gpt import GPT, GPTConfig, param_groups, random_batch  # noqa: E402
 from examples.train_gpt import batch_at, stdlib_text  # noqa: E402
 from zerolite.testing import run_ranks  # noqa: E402

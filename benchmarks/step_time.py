@@ -65,8 +65,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import zerolite  # noqa: E402
+from benchmarks.wire_count import CommSpy  # noqa: E402
 from examples.gpt import GPT, GPTConfig, param_groups, random_batch  # noqa: E402
-from tests.comm_spy import peers  # noqa: E402
 from zerolite.memory import footprint, formula, track  # noqa: E402
 from zerolite.testing import run_ranks  # noqa: E402
 
@@ -77,70 +77,6 @@ TRACKED = 5  # zerolite systems: steps after the timed ones, each peak RSS read 
 SYSTEMS = ("ddp", "zero1", "fsdp2", "zl1", "zl2", "zl3")
 STAGE = {"ddp": 0, "zero1": 1, "fsdp2": 3, "zl1": 1, "zl2": 2, "zl3": 3, "zl2-disk": 2,
          "zl3-disk": 3, "zl2-hybrid": 2, "zl3-hybrid": 3, "zl2-hybrid-q": 2, "zl3-hybrid-q": 3}
-SPIED = ("isend", "irecv", "all_reduce", "broadcast", "all_gather", "reduce_scatter_single",
-         "all_gather_single", "reduce_scatter_tensor", "all_gather_into_tensor",
-         "all_to_all_single")
-
-
-def _sent(name: str, numel: int, n: int) -> float:
-    """Elements one rank sends for a call whose first tensor has ``numel`` elements, over a
-    group of ``n`` ranks, as a ring would (so that point-to-point and collective counts
-    compare)."""
-    if name == "all_reduce":
-        return 2 * numel * (n - 1) / n
-    # first arg: the output
-    if name in ("all_gather", "all_gather_single", "all_gather_into_tensor",
-                "all_to_all_single"):
-        return numel * (n - 1) / n
-    if name in ("reduce_scatter_single", "reduce_scatter_tensor"):  # first arg: this rank's output
-        return numel * (n - 1)
-    return numel  # isend, irecv (received), broadcast (per call)
-
-
-class CommSpy:
-    """Pass-through wrappers on torch.distributed functions counting elements per call kind,
-    bytes on the wire (elements times their size: int8 blocks of a quantized exchange count
-    one byte each), and elements per link (``"within"`` a node of ``node_size`` ranks,
-    ``"across"`` nodes)."""
-
-    def __init__(self, node_size: int) -> None:
-        self.elements: dict[str, float] = defaultdict(float)
-        self.bytes: dict[str, float] = defaultdict(float)
-        self.links: dict[str, float] = {"within": 0.0, "across": 0.0}
-        self.link_bytes: dict[str, float] = {"within": 0.0, "across": 0.0}
-        self.node_size = node_size
-        self._saved: dict[str, object] = {}
-
-    def __enter__(self) -> CommSpy:
-        for name in SPIED:
-            original = getattr(dist, name)
-            self._saved[name] = original
-
-            def spy(*args, _original=original, _name=name, **kwargs):
-                tensor = args[0] if args else next(iter(kwargs.values()))
-                if isinstance(tensor, torch.Tensor):
-                    ranks = peers(_name, args, kwargs)
-                    n = dist.get_world_size() if _name in ("isend", "irecv") else len(ranks)
-                    sent = _sent(_name, tensor.numel(), n)
-                    self.elements[_name] += sent
-                    if _name != "irecv":  # bytes this rank sends (a receive is another's send)
-                        self.bytes[_name] += sent * tensor.element_size()
-                    if _name != "irecv":  # what this rank sends
-                        nodes = {r // self.node_size for r in ranks}
-                        mine = dist.get_rank() // self.node_size
-                        link = "within" if nodes == {mine} else "across"
-                        self.links[link] += sent
-                        self.link_bytes[link] += sent * tensor.element_size()
-                return _original(*args, **kwargs)
-
-            setattr(dist, name, spy)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for name, original in self._saved.items():
-            setattr(dist, name, original)
-
-
 def _census(tensors) -> int:
     seen, total = set(), 0
     for t in tensors:
