@@ -25,13 +25,7 @@ from torch.profiler import record_function
 from zerolite.collectives import Group, Pending, _all_gather_flat, _chunk, _tag
 from zerolite.quantize import ChunkCodec, WireFormat
 
-__all__ = [
-    "quantized_all_gather",
-    "quantized_reduce_scatter_avg",
-    "encode_with_feedback",
-    "exchange_rows",
-    "gather_rows",
-]
+__all__ = ["quantized_all_gather", "quantized_reduce_scatter_avg"]
 
 
 def encode_with_feedback(
@@ -87,7 +81,13 @@ def gather_rows(messages: torch.Tensor, group: Group, *, key: int) -> list[dist.
 
 
 def quantized_all_gather(
-    full: torch.Tensor, wire: WireFormat, group: Group, *, key: int, what: str
+    full: torch.Tensor,
+    wire: WireFormat,
+    group: Group,
+    *,
+    key: int,
+    what: str,
+    residual: torch.Tensor | None = None,
 ) -> Pending:
     """Launch: every rank's chunk ``rank`` of ``full``, quantized, into all ranks' ``full``.
 
@@ -97,13 +97,17 @@ def quantized_all_gather(
             like every other chunk. Must not be read or written until `wait`.
         wire: the buffer's `WireFormat` (raw elements in ``full``'s dtype).
         group, key, what: as `zerolite.collectives.all_gather_inplace`; every rank calls.
+        residual: error feedback for this rank's chunk (1-D fp32, ``S``; see
+            `encode_with_feedback`), or None. Parameters (whose masters stay exact) use none.
     """
     n = group.size
     if n == 1:
         return Pending()
     shard = full.numel() // n
     messages = wire.messages(full.device)
-    wire.chunks[group.rank].encode(_chunk(full, group.rank, shard), messages[group.rank])
+    encode_with_feedback(
+        wire.chunks[group.rank], _chunk(full, group.rank, shard), messages[group.rank], residual
+    )
     with record_function("zerolite::quantized_all_gather"):
         works = gather_rows(messages, group, key=key)
 

@@ -32,12 +32,11 @@ the residual, as `zerolite.quantized_collectives` does.
 from __future__ import annotations
 
 import torch
-from torch.profiler import record_function
 
-from zerolite.collectives import Group, Pending, _bounded_wait
+from zerolite.collectives import Group, Pending, _chunk
 from zerolite.layout import FlatLayout
 from zerolite.quantize import ChunkCodec, WireFormat, raw_ranges
-from zerolite.quantized_collectives import encode_with_feedback, exchange_rows, gather_rows
+from zerolite.quantized_collectives import quantized_all_gather, quantized_reduce_scatter_avg
 
 __all__ = ["replica_wire", "replica_residual_shape", "quantized_average_across_replicas"]
 
@@ -118,39 +117,14 @@ def _two_phase_mean(
     piece = wire.chunks[0].numel
     padded = torch.zeros(n * piece, dtype=torch.float32, device=out.device)
     padded[: out.numel()].copy_(out)
-    pieces = padded.view(n, piece)
     what = f"{what} (across replica groups)"
-
-    # Phase 1: reduce-scatter of the pieces; this replica keeps its own piece exact.
-    send = wire.messages(out.device)
-    for k in range(1, n):
-        dst = (q + k) % n
-        row = None if residual is None else residual[k - 1]
-        encode_with_feedback(wire.chunks[dst], pieces[dst], send[dst], row)
-    received = wire.messages(out.device)
-    with record_function("zerolite::quantized_reduce_scatter"):
-        works = exchange_rows(send, received, replicas, key=key)
-    for work in works:
-        _bounded_wait(work, replicas, what)
-    mean = torch.zeros(piece, dtype=torch.float32, device=out.device)
-    term = torch.empty_like(mean)
-    for src in range(n):  # fixed order: the sum does not depend on arrival
-        if src == q:
-            mean.add_(pieces[q])
-        else:
-            wire.chunks[q].decode(received[src], term)
-            mean.add_(term)
-    mean.div_(n)
-
-    # Phase 2: all-gather of the reduced pieces; every replica decodes every piece, its own
-    # included, so that all hold the same bits.
-    gathered = wire.messages(out.device)
+    # Phase 1: this replica's piece, averaged over the replicas (its own contribution exact),
+    # written over its own piece (read only before the mean is written).
+    mine = _chunk(padded, q, piece)
+    sent = None if residual is None else residual[: n - 1]
+    quantized_reduce_scatter_avg(padded, mine, wire, sent, replicas, key=key, what=what).wait()
+    # Phase 2: every replica, this one included, decodes every reduced piece: all hold the
+    # same bits.
     own = None if residual is None else residual[n - 1]
-    encode_with_feedback(wire.chunks[q], mean, gathered[q], own)
-    with record_function("zerolite::quantized_all_gather"):
-        works = gather_rows(gathered, replicas, key=key)
-    for work in works:
-        _bounded_wait(work, replicas, what)
-    for j, codec in enumerate(wire.chunks):
-        codec.decode(gathered[j], pieces[j])
+    quantized_all_gather(padded, wire, replicas, key=key, what=what, residual=own).wait()
     out.copy_(padded[: out.numel()])
