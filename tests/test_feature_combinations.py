@@ -92,7 +92,7 @@ def _hybrid_tensor() -> dict:
     data = parity.batches(STEPS)
     out = {}
     for name in ("muon+adamw", "adafactor"):
-        runs, ddp_errors = {}, oracle(name, data)[2]
+        runs, ddp_errors = {}, oracle(name, data)[2].tensors
         for k in (2, None):
             model = parity.make_model()
             opt = shard(name, model, stage=2, bucket_size_mb=0.01, partition="tensor",
