@@ -59,11 +59,11 @@ import torch
 from torch import nn
 
 from zerolite import phase_events
-from zerolite.collectives import Group, broadcast
+from zerolite.collectives import Group
 from zerolite.config import ZeroConfig
 from zerolite.flat_buffer import FlatParamBuffer
-from zerolite.hybrid import data_parallel_group
 from zerolite.shard_state import state_of
+from zerolite.small_exchange import exchange_small
 
 __all__ = [
     "MetaBuild",
@@ -71,7 +71,6 @@ __all__ = [
     "check_meta_build",
     "check_nothing_on_meta",
     "mark_loaded",
-    "materialize_device",
     "materialize",
 ]
 
@@ -125,13 +124,6 @@ def mark_loaded(model: nn.Module, names: list[str] | None) -> None:
         build.uninitialised.pop(name, None)
 
 
-def materialize_device(config: ZeroConfig) -> torch.device:
-    """Where a meta-built model is materialised when ``config.device`` is None."""
-    if Group(data_parallel_group(config)).backend == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
 def check_meta_build(
     model: nn.Module, optimizer: torch.optim.Optimizer, config: ZeroConfig
 ) -> None:
@@ -174,14 +166,9 @@ def _rank0_generators(device: torch.device, group: Group) -> Iterator[None]:
     # uint8, same sizes on every rank
     states = [torch.get_rng_state()] + [torch.cuda.get_rng_state(d) for d in cuda]
     packed = torch.cat(states)
-    # NCCL broadcasts CUDA tensors only.
-    wire = (
-        packed.to(torch.device("cuda", torch.cuda.current_device()))
-        if group.backend == "nccl"
-        else packed
-    )
-    broadcast(wire, 0, group, what="shard()'s broadcast of rank 0's generator states")
-    rank0 = wire.cpu().split([s.numel() for s in states])
+    rank0 = exchange_small(
+        packed, group, "broadcast", src=0, what="shard()'s broadcast of rank 0's generator states"
+    ).split([s.numel() for s in states])
     with torch.random.fork_rng(devices=cuda):
         torch.set_rng_state(rank0[0].clone())
         for d, state in zip(cuda, rank0[1:]):

@@ -41,12 +41,12 @@ from zerolite.checkpoint.range_reader import PieceReader, RangeReader
 from zerolite.checkpoint.residuals import apply_residuals, read_residuals
 from zerolite.checkpoint.save import model_only_tensors
 from zerolite.checkpoint.schedulers import apply_schedulers, plan_schedulers, restore_schedulers
-from zerolite.collectives import all_gather_bytes
 from zerolite.consensus import agreed
 from zerolite.meta_init import mark_loaded
 from zerolite.optim.multi import class_name
 from zerolite.optim.sharded_optimizer import ShardedOptimizer, require_sharded_optimizer
 from zerolite.shard_state import Piece
+from zerolite.small_exchange import all_gather_bytes
 
 __all__ = ["load"]
 

@@ -245,7 +245,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         gradients to zero (what loss scaling exists to prevent)."""
         grad = shard if shard.dtype == torch.float32 else shard.float()
         if self.loss_scaler is not None or self._clipped:
-            grad.mul_(self._grad_factor.to(grad.device))
+            grad.mul_(self._grad_factor)  # a CPU scalar: no copy to the device, no sync
         return grad
 
     def _grad_shards(self) -> list[torch.Tensor]:
