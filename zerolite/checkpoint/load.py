@@ -325,8 +325,9 @@ def _load(
     if rng is not None:
         if same_world:
             torch.set_rng_state(rng)
-            if cuda_rng is not None and torch.cuda.is_available():
-                torch.cuda.set_rng_state(cuda_rng)  # the current device's, as saved
+            device = optimizer.group.buffer_device
+            if cuda_rng is not None and device.type == "cuda":
+                torch.cuda.set_rng_state(cuda_rng, device)  # the model's device's, as saved
         else:  # seeds CPU and every CUDA device
             torch.manual_seed(int.from_bytes(bytes(rng[:8].tolist()), "little") + group.rank)
     if optimizer.loss_scaler is not None and index.get("loss_scaler") is not None:
