@@ -286,13 +286,31 @@ def materialize(
             for _, p in flat_params[i]:
                 p.data = _nan_like(p, device)
 
+    # (module name, module, flag on the device): whether a sealed unit's placeholder had
+    # been written once that module's initialiser returned. Read in one host sync per unit
+    # (`check_sealed`), not one per module.
+    pending: list[tuple[str, nn.Module, torch.Tensor]] = []
+
+    def check_sealed() -> None:
+        if not pending:
+            return
+        written = torch.stack([flag for _, _, flag in pending]).tolist()
+        for (name, module, _), hit in zip(pending, written):
+            if hit:  # the first module after whose initialiser it was written
+                raise _init_error(
+                    name, module, init_fn, "it wrote a parameter of a unit already sharded"
+                )
+        pending.clear()
+
     def close_flat(i: int) -> None:
+        check_sealed()
         if i not in opened:
             open_flat(i)
         closed.add(i)
         flat = flats[i] = flats[i] if flats[i] is not None else make_flat(i)
-        for name, p in flat_params[i]:
-            if p.isnan().any():
+        blank = torch.stack([p.isnan().any() for _, p in flat_params[i]]).tolist()
+        for (name, _), nan in zip(flat_params[i], blank):
+            if nan:
                 uninitialised[name] = "parameter"
         if shard:
             flat.shard_only()
@@ -337,10 +355,9 @@ def materialize(
                 )
             if _initialise(name, module, init_fn):
                 initialised_modules.add(id(module))
-            if any(flat.placeholder_written() for flat in sealed):
-                raise _init_error(
-                    name, module, init_fn, "it wrote a parameter of a unit already sharded"
-                )
+            if sealed:
+                flags = [flat.placeholder_written() for flat in sealed]
+                pending.append((name, module, torch.stack(flags).any()))
             module._parameters.update(tied)
             held.update(id(p) for p in module._parameters.values() if p is not None)
             for i in closed_by.get(id(module), []):
@@ -348,6 +365,7 @@ def materialize(
         for i in range(len(flat_params)):
             if i not in closed:
                 close_flat(i)
+        check_sealed()
     _check_unsharded(
         model, flat_of, made_buffers, buffer_owner, initialised_modules, uninitialised
     )
