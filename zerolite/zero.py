@@ -133,7 +133,7 @@ def shard(
     with agreed("zerolite.shard() (offload)", world):
         offload = plan_offload(cast(ShardPlan, plan), optimizer, config, group)
     digest = hashlib.sha256("\n".join(lines).encode()).hexdigest()
-    with phase_events.phase("build"):
+    with phase_events.phase("build", device):
         sharded = _build(
             model, cast(torch.optim.Optimizer, optimizer), config, group, cast(ShardPlan, plan),
             digest, offload,

@@ -191,7 +191,7 @@ def load(
             schedulers (number or classes) than at save.
     """
     optimizer = require_sharded_optimizer(optimizer, "zerolite.checkpoint.load()")
-    with phase_events.phase("load"):
+    with phase_events.phase("load", optimizer.group.buffer_device):
         extra = _load(Path(path), model, optimizer, schedulers)
     mark_loaded(model, None)
     return extra
