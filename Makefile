@@ -1,6 +1,8 @@
-# Two entry points, each creating (or reusing) the virtual environment it needs:
+# Entry points, each creating (or reusing) the virtual environment it needs:
 #   make example   - train a small GPT with Accelerate + zerolite on 2 CPU processes
 #   make test      - ruff check, then the test suite (what .ci/run runs)
+#   make gpu-check - the CUDA-marked tests (tests/test_cuda.py); without a CUDA device it
+#                    says so and succeeds. Use a CUDA torch: make gpu-check TORCH_SPEC=torch
 # TORCH_SPEC is installed before the package so that pip never resolves torch itself:
 # on a CPU-only machine `torch==2.13.0` is the local CPU wheel; with a CUDA build
 # already wanted, run e.g. `make test TORCH_SPEC=torch`.
@@ -12,7 +14,7 @@ STAGE ?= 2
 
 STAMP := $(VENV)/.zerolite-installed
 
-.PHONY: test example env
+.PHONY: test example env gpu-check
 
 env: $(STAMP)
 
@@ -29,3 +31,10 @@ test: $(STAMP)
 example: $(STAMP)
 	ACCELERATE_USE_CPU=1 $(VENV)/bin/accelerate launch --config_file examples/accelerate/cpu_2proc.yaml \
 	  --num_processes $(NPROC) examples/train_gpt.py --stage $(STAGE)
+
+gpu-check: $(STAMP)
+	@if $(VENV)/bin/python -c "import sys, torch; sys.exit(not torch.cuda.is_available())"; then \
+	  $(VENV)/bin/python -m pytest -q -s -rs -m cuda tests; \
+	else \
+	  echo "gpu-check: skipped, torch sees no CUDA device here (torch.cuda.is_available() is False)"; \
+	fi
