@@ -17,6 +17,7 @@ import gc
 import threading
 import time
 import warnings
+from collections.abc import Callable
 from datetime import timedelta
 
 import pytest
@@ -144,16 +145,10 @@ def test_nccl_waits_do_not_block_the_host():
 # --------------------------------------------------------------- host syncs per step
 
 
-def _syncs_in_one_step(config: ZeroConfig, chunk_bytes: int | None = None) -> int:
-    model = _model()
-    opt = zerolite.shard(model, parity.make_optimizer("AdamW", model), config)
-    if chunk_bytes is not None:
-        state_of(model).offload.chunk_bytes = chunk_bytes
-    fp16 = config.param_dtype == torch.float16
-    data = _data(2)
-    _train(model, opt, data[:1], fp16=fp16)  # warm-up: state, staging buffers, caches
+def _count_syncs(work: Callable[[], object]) -> int:
+    """Host syncs ``work`` makes on this thread (the offload writer waits on its events)."""
     main = threading.get_ident()
-    syncs = []  # on the training thread only (the offload writer waits on its events)
+    syncs = []
 
     def record(message, *args, **kwargs) -> None:
         if "synchroniz" in str(message) and threading.get_ident() == main:
@@ -164,10 +159,21 @@ def _syncs_in_one_step(config: ZeroConfig, chunk_bytes: int | None = None) -> in
         warnings.showwarning = record
         torch.cuda.set_sync_debug_mode("warn")
         try:
-            _train(model, opt, data[1:], fp16=fp16)
+            work()
         finally:
             torch.cuda.set_sync_debug_mode("default")
     return len(syncs)
+
+
+def _syncs_in_one_step(config: ZeroConfig, chunk_bytes: int | None = None) -> int:
+    model = _model()
+    opt = zerolite.shard(model, parity.make_optimizer("AdamW", model), config)
+    if chunk_bytes is not None:
+        state_of(model).offload.chunk_bytes = chunk_bytes
+    fp16 = config.param_dtype == torch.float16
+    data = _data(2)
+    _train(model, opt, data[:1], fp16=fp16)  # warm-up: state, staging buffers, caches
+    return _count_syncs(lambda: _train(model, opt, data[1:], fp16=fp16))
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
@@ -316,6 +322,32 @@ def test_meta_build_on_cuda_equals_the_normal_build():
         generators.append((torch.get_rng_state(), torch.cuda.get_rng_state()))
     assert all(torch.equal(built[0][k], built[1][k]) for k in built[0])
     assert all(torch.equal(a, b) for a, b in zip(*generators))
+
+
+class _Stacked(torch.nn.Module):
+    """Three stage-3 units (the blocks) of ``depth`` Linear layers each, and a head."""
+
+    def __init__(self, depth: int) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.Sequential(*(torch.nn.Linear(16, 16) for _ in range(depth)))
+            for _ in range(3)
+        )
+        self.head = torch.nn.Linear(16, 2)
+
+
+def test_meta_build_syncs_once_per_unit_not_per_module():
+    counts = {}
+    for depth in (2, 8):
+        with torch.device("meta"):
+            model = _Stacked(depth)
+        opt = torch.optim.AdamW(model.parameters())
+        counts[depth] = _count_syncs(
+            lambda model=model, opt=opt: zerolite.shard(model, opt, ZeroConfig(stage=3,
+                                                                               device="cuda"))
+        )
+    print(f"\n[gpu-check] host syncs of a stage-3 meta build, 3 units of 2 / 8 modules: {counts}")
+    assert counts[2] == counts[8], counts
 
 
 def test_track_peaks_against_the_allocator_without_resetting_it():
