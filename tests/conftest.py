@@ -32,7 +32,17 @@ NUMERICS = {
 }
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Marks the `NUMERICS` modules' tests ``numerics``; tests marked ``cuda`` skip, with a
+    reason, where torch sees no CUDA device."""
+    import torch
+
+    skip = None
+    if not torch.cuda.is_available():
+        skip = pytest.mark.skip(reason="needs a CUDA device (`make gpu-check` on a GPU machine)")
     for item in items:
         if item.module is not None and item.module.__name__.rsplit(".", 1)[-1] in NUMERICS:
             item.add_marker(pytest.mark.numerics)
+        if skip is not None and "cuda" in item.keywords:
+            item.add_marker(skip)
