@@ -1,6 +1,9 @@
 # Entry points, each creating (or reusing) the virtual environment it needs:
 #   make example       - train a small GPT with Accelerate + zerolite on 2 CPU processes
-#   make test          - ruff check, then the test suite (what .ci/run runs)
+#   make test          - ruff check, the docs build (mkdocs build --strict: a warning fails it),
+#                        then the test suite, which runs every Python block of the docs
+#                        (tests/test_docs.py) (what .ci/run runs)
+#   make docs-serve    - preview the docs site (docs/, mkdocs.yml) at http://127.0.0.1:8000
 #   make test-kernels  - the numerics tests under other CPUs' kernel families (README, Tests)
 #   make gpu-check     - the CUDA-marked tests (tests/test_cuda.py); without a CUDA device it
 #                        says so and succeeds. Use a CUDA torch: make gpu-check TORCH_SPEC=torch
@@ -26,7 +29,7 @@ KERNELS_avx512_bf16 := ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16 MKL_ENABLE_INSTRUCTIO
   ATEN_CPU_CAPABILITY=avx512
 KERNEL_FAMILIES ?= native avx2 avx512
 
-.PHONY: test test-kernels example env gpu-check
+.PHONY: test test-kernels example env gpu-check docs docs-serve
 
 env: $(STAMP)
 
@@ -38,7 +41,16 @@ $(STAMP): pyproject.toml
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mkdocs build --strict
 	$(VENV)/bin/python -m pytest -q
+
+# The site goes to site/ (git-ignored). --strict turns every warning into a failure: a broken
+# link or anchor, a page missing from the nav, a public name the API reference leaves out.
+docs: $(STAMP)
+	$(VENV)/bin/mkdocs build --strict
+
+docs-serve: $(STAMP)
+	$(VENV)/bin/mkdocs serve
 
 test-kernels: $(STAMP)
 	@set -e; $(foreach family,$(KERNEL_FAMILIES),\

@@ -299,7 +299,8 @@ class ZeroAccelerator(_ZeroMethods, Accelerator):
     Args:
         zero_config: the `ZeroConfig`; by default ``ZeroConfig()`` (``ZEROLITE_STAGE`` and
             the other ``ZEROLITE_*`` variables), with ``param_dtype`` from ``mixed_precision``.
-        *args, **kwargs: passed to ``Accelerator``.
+        *args: passed to ``Accelerator``.
+        **kwargs: passed to ``Accelerator``.
     Raises:
         RuntimeError: the launch started more processes than Accelerate sees (e.g. on CPU
             without ``ACCELERATE_USE_CPU=1``).

@@ -58,8 +58,8 @@ from zerolite.optim.sharded_optimizer import ShardedOptimizer
 
 __all__ = ["ZERO_CHECKPOINT_DIR", "ZeroTrainer", "ZeroTrainerMixin", "zero_config_for_args"]
 
-# The sharded checkpoint's directory inside Trainer's checkpoint-N/.
 ZERO_CHECKPOINT_DIR = "zerolite"
+"""The sharded zerolite checkpoint's directory inside Trainer's ``checkpoint-N/``."""
 
 _UNSUPPORTED = (
     ("deepspeed", "DeepSpeed shards the model itself; use ZeroTrainer or DeepSpeed, not both"),
@@ -185,7 +185,8 @@ class ZeroTrainerMixin:
             (``zerolite.checkpoint.save(..., blocking=False)``): training resumes once each
             rank's shard is copied into its staging area; the next checkpoint (or the end of
             the process) waits for it. Trainer's other files are written as usual.
-        *args, **kwargs: the Trainer's own arguments, unchanged.
+        *args: the Trainer's own arguments, unchanged.
+        **kwargs: the Trainer's own keyword arguments, unchanged.
     Raises:
         ValueError: at construction, on every rank, for Trainer arguments zerolite cannot
             honour (``deepspeed``, ``fsdp``, ``parallelism_config``, ``torch_compile``,

@@ -22,9 +22,13 @@ from zerolite.testing import run_ranks
 
 @pytest.fixture
 def zerolite_footprint() -> Callable:
+    """`zerolite.testing.assert_footprint`: ``zerolite_footprint(opt)`` raises
+    `zerolite.testing.FootprintMismatch` naming each category and its excess bytes."""
     return assert_footprint
 
 
 @pytest.fixture
 def zerolite_ranks() -> Callable:
+    """`zerolite.testing.run_ranks`: ``zerolite_ranks(fn, world_size, *args)`` runs ``fn`` on
+    a real process group of ``world_size`` ranks and returns each rank's result."""
     return run_ranks

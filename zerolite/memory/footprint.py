@@ -210,8 +210,9 @@ def formula(
         reduce_dtype: dtype of gradient shards (stages 2-3); None means ``param_dtype``.
             Stages 0-1 keep full gradients in ``param_dtype``.
         optimizer: a key of `STATE_BYTES_PER_PARAM`.
-        offload, offload_fraction: as in `zerolite.ZeroConfig`: that fraction of the
-            master and optimizer-state bytes moves to ``offloaded`` (not rounded to pieces).
+        offload: as in `zerolite.ZeroConfig`: the tier that ``offloaded`` counts.
+        offload_fraction: as in `zerolite.ZeroConfig`: that fraction of the master and
+            optimizer-state bytes moves to ``offloaded`` (not rounded to pieces).
         quantize_gather: ``ZeroConfig.quantize_gather`` (fp32 stages 1-2 at N > 1: the
             master becomes a 4-byte copy).
         error_feedback: ``ZeroConfig.quantize_reduce`` with ``error_feedback``: a 4-byte

@@ -101,6 +101,8 @@ NAMED: dict[str, tuple[OptimizerSpec, Mapping[str, Any]]] = {
 STATE_BYTES_PER_PARAM: dict[str, int] = {
     name: spec.state_bytes(kwargs)[0] for name, (spec, kwargs) in NAMED.items()
 }
+"""Optimizer state bytes per trained parameter of each named optimizer at its defaults
+(``"adamw"``: 8, two fp32 moments), as `zerolite.memory.formula` counts them."""
 
 _BY_CLASS_NAME: dict[str, OptimizerSpec] = {s.cls.__name__: s for s in (*SUPPORTED, *WHOLE_TENSOR)}
 
