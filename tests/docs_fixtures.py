@@ -40,16 +40,24 @@ def fresh_model(namespace: dict[str, Any]) -> None:
 
 
 def hf_llama(namespace: dict[str, Any]) -> None:
-    """A tiny Llama ``model``, Trainer ``args`` for 2 steps on the CPU, and a dataset ``ds``."""
+    """A tiny Llama ``model``, Trainer ``args`` for 2 steps on the CPU, a dataset ``ds``, and
+    ``zerolite`` (a block that starts a new launch has no earlier block's imports)."""
     from transformers import LlamaForCausalLM, TrainingArguments
 
+    import zerolite
     from examples.hf_trainer import StdlibBytes, llama_config
 
     torch.manual_seed(0)
     namespace.update(
+        zerolite=zerolite,
         model=LlamaForCausalLM(llama_config(32)),
         args=TrainingArguments(output_dir="trainer-out", max_steps=2, per_device_train_batch_size=2,
                                report_to=[], use_cpu=True, save_strategy="no",
                                logging_strategy="no", disable_tqdm=True),
         ds=StdlibBytes(seq_len=32, max_bytes=32 * 16),
     )
+
+
+def next_step(namespace: dict[str, Any]) -> None:
+    """The loop's next ``step``, for a block that saves a checkpoint of its own."""
+    namespace["step"] += 1

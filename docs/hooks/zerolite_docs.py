@@ -63,7 +63,9 @@ def public_names(module: griffe.Module) -> list[str]:
     return [
         name
         for name, member in module.members.items()
-        if not name.startswith("_") and not member.is_alias and (member.is_function or member.is_class)
+        if not name.startswith("_")
+        and not member.is_alias
+        and (member.is_function or member.is_class)
     ]
 
 
