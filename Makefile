@@ -17,6 +17,8 @@ NPROC ?= 2
 STAGE ?= 2
 
 STAMP := $(VENV)/.zerolite-installed
+# Material for MkDocs prints a banner about its successor on every build; keep the output short.
+export NO_MKDOCS_2_WARNING := 1
 
 # How another CPU computes, emulated on this one: oneDNN (bf16 matmuls), MKL (fp32 GEMM) and
 # ATen's own vector kernels (elementwise ops, reductions) each pick their code at run time.

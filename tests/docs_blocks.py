@@ -44,9 +44,8 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 MARKER = re.compile(r"^\s*<!--\s*docs-test:\s*(?P<words>.*?)\s*-->\s*$")
-FENCE = re.compile(r"^(?P<indent>\s*)```(?P<info>[\w+-]*)\s*$")
+FENCE = re.compile(r"^(?P<indent>\s*)```(?P<info>[\w+-]*)")  # info may go on: ```python title=...
 PYTHON = {"python", "py"}
-LAUNCH_TIMEOUT_S = 180.0
 
 
 @dataclasses.dataclass(frozen=True)
