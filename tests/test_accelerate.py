@@ -137,7 +137,8 @@ def test_accumulation_and_clipping_through_accelerate(runs):
     norms = infos[0]["norms"]
     assert len(norms) == 3 and all(n > 0.05 for n in norms)  # clipping active on every step
     assert abs(norms[0] - ref_norms[0]) <= 1e-6 * ref_norms[0]  # same parameters: 1e-6
-    for got, want in zip(norms[1:], ref_norms[1:]):  # later: trajectories differ by rounding
+    # later: trajectories differ by rounding
+    for got, want in zip(norms[1:], ref_norms[1:], strict=True):
         assert abs(got - want) <= 1e-5 * want
     # Stage 2 during accumulation: the persistent gradient shards only, no full-size gradients.
     psi = sum(p.numel() for p in parity.make_model().parameters())

@@ -316,7 +316,7 @@ def test_resharding_is_exact_and_training_continues(tmp_path):
         if bucket_mb is not None and not after[0]["buffers"] > 1:
             problems.append(f"{case}: expected several flat buffers, got {after[0]['buffers']}")
         reference = before[0]["after"]
-        for step, (x, ref) in enumerate(zip(after[0]["after"], reference)):
+        for step, (x, ref) in enumerate(zip(after[0]["after"], reference, strict=True)):
             if not abs(x - ref) <= 1e-5 * abs(ref):
                 problems.append(f"{case}: loss {step} after resuming is {x}, un-interrupted {ref}")
         if len(after[0]["after"]) != MORE_STEPS:

@@ -156,7 +156,7 @@ def test_fp16_overflow_on_one_rank_skips_everywhere(fp16_run, references):
                 where, r["scales"])
             assert r["scales"] == ref["scales"], (where, r["scales"], ref["scales"])
             assert math.isinf(r["norms"][OVERFLOW_STEP]), (where, r["norms"])
-            for s, (a, b) in enumerate(zip(r["norms"], ref["norms"])):
+            for s, (a, b) in enumerate(zip(r["norms"], ref["norms"], strict=True)):
                 if s != OVERFLOW_STEP:  # the true global norm of the unscaled gradient
                     assert math.isfinite(a) and abs(a - b) <= 1e-2 * b, (where, s, a, b)
             assert r["scaler_state"] == expected_scaler, (where, r["scaler_state"])
