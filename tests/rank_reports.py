@@ -34,11 +34,11 @@ def new_report() -> dict:
 
 
 def record_parity(label: str, model: nn.Module, losses: list[float], ref: nn.Module,
-                  ref_losses: list[float], ddp_errors: dict[str, float], report: dict) -> None:
+                  ref_losses: list[float], ddp: parity.DdpDeviation, report: dict) -> None:
     """`parity.check_parity`, recorded in ``report`` instead of raised (the parent asserts)."""
     try:
         report["worst"][label] = parity.check_parity(
-            label, model, losses, ref, ref_losses, ddp_errors)
+            label, model, losses, ref, ref_losses, ddp)
     except AssertionError as exc:
         report["failures"].append(str(exc))
 

@@ -18,8 +18,8 @@ from __future__ import annotations
 import torch
 
 from tests import parity
-from tests.loss_checks import loss_deviations
 from tests.mixed_recipe import LOSS_VS_FP32_TOL, TENSOR_TOL
+from tests.parity import loss_deviations
 
 __all__ = ["stage_failures"]
 

@@ -24,7 +24,6 @@ import zerolite
 from examples.gpt import GPT
 from tests import accelerate_cases as cases
 from tests import parity
-from tests.loss_checks import within
 from zerolite.testing import run_ranks
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -134,12 +133,15 @@ def test_accumulation_and_clipping_through_accelerate(runs):
     ddp_err, zl_err = _errors(ddp_state, reference), _errors(state, reference)
     bad = {k: (e, ddp_err[k]) for k, e in zl_err.items() if not e <= max(2 * ddp_err[k], 1e-6)}
     assert bad == {}
-    norms = infos[0]["norms"]
-    assert len(norms) == 3 and all(n > 0.05 for n in norms)  # clipping active on every step
-    assert abs(norms[0] - ref_norms[0]) <= 1e-6 * ref_norms[0]  # same parameters: 1e-6
-    # later: trajectories differ by rounding
-    for got, want in zip(norms[1:], ref_norms[1:], strict=True):
-        assert abs(got - want) <= 1e-5 * want
+    norms, ddp_norms = infos[0]["norms"], ddp_infos[0]["norms"]
+    assert len(norms) == len(ddp_norms) == len(ref_norms) == 3
+    assert all(n > 0.05 for n in norms)  # clipping active on every step
+    # Per step within twice DDP's deviation from the reference's norm, or a few fp32
+    # roundings of a norm (1e-6 relative): the norms of the same gradient summed in
+    # another order (shards vs tensors; slices vs the whole batch).
+    for got, ddp_norm, want in zip(norms, ddp_norms, ref_norms):
+        assert abs(got - want) <= max(2 * abs(ddp_norm - want), 1e-6 * want), (norms, ddp_norms,
+                                                                             ref_norms)
     # Stage 2 during accumulation: the persistent gradient shards only, no full-size gradients.
     psi = sum(p.numel() for p in parity.make_model().parameters())
     for info in infos:
@@ -179,8 +181,11 @@ def test_bf16_mixed_precision_means_bf16_params_and_fp32_masters(runs):
         assert info["dtypes"] == ["torch.bfloat16"]
         assert info["master_dtypes"] == ["torch.float32"]
     _, fp32_infos = _result(runs, "stage2")
-    # bf16 training follows the fp32 loss curve (every step, NaN fails)
-    assert within(infos[0]["losses"], fp32_infos[0]["losses"], [2e-2])
+    # bf16 training follows the fp32 loss curve: a sanity bound, not parity (that is
+    # tests/test_bf16.py's, against the mixed-precision recipe). bf16 rounds each weight to
+    # 2^-9 relative; CPUs' kernel families move these losses by ~1e-5, far inside 2e-2.
+    vs_fp32 = parity.loss_deviations(infos[0]["losses"], fp32_infos[0]["losses"])
+    assert all(d <= 2e-2 for d in vs_fp32), vs_fp32  # NaN fails
 
 
 @contextlib.contextmanager

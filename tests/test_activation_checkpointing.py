@@ -116,14 +116,14 @@ def _matrix_rank(cases: list[tuple[str, str]]) -> dict:
         ref = build(plain)
         ref_losses = _train(ref, _adamw(ref), data, loss_fn, sliced=False)
         ddp_model = build(plain)
-        _train(
+        ddp_losses = _train(
             torch.nn.parallel.DistributedDataParallel(ddp_model),
             _adamw(ddp_model),
             data,
             loss_fn,
             sliced=True,
         )
-        ddp_errors = parity.tensor_errors(ddp_model, ref)
+        ddp_dev = parity.ddp_deviation(ddp_model, ddp_losses, ref, ref_losses)
         for stage in STAGES:
             model = build(mode)
             config = zerolite.ZeroConfig(
@@ -134,7 +134,7 @@ def _matrix_rank(cases: list[tuple[str, str]]) -> dict:
             try:
                 losses = _train(model, opt, data, loss_fn, sliced=True)
                 report["worst"][label] = parity.check_parity(
-                    label, model, losses, ref, ref_losses, ddp_errors
+                    label, model, losses, ref, ref_losses, ddp_dev
                 )
             except Exception as exc:  # noqa: BLE001 - every rank fails alike; reported to the parent
                 report["failures"].append(f"{label}: {type(exc).__name__}: {str(exc)[:300]}")

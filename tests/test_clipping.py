@@ -66,12 +66,12 @@ def _clip_rank() -> dict:
         ddp_model = parity.make_model()
         ddp = DistributedDataParallel(ddp_model)
         ddp_opt = parity.make_optimizer(name, ddp_model)
-        _, ddp_norms = _train_clipped(
+        ddp_losses, ddp_norms = _train_clipped(
             ddp, ddp_opt, data, max_norm, norm_type, sliced=True,
             clip=lambda m, t, ddp_model=ddp_model: torch.nn.utils.clip_grad_norm_(
                 ddp_model.parameters(), m, t))
-        ddp_errors = parity.tensor_errors(ddp_model, ref)
-        report["worst"][f"DDP/norm={norm_type}"] = max(ddp_errors.values())
+        ddp_dev = parity.ddp_deviation(ddp_model, ddp_losses, ref, ref_losses)
+        report["worst"][f"DDP/norm={norm_type}"] = max(ddp_dev.tensors.values())
         for stage, bucket_mb in ((1, 25.0), (2, SMALL_BUCKETS_MB)):
             label = f"stage{stage}/norm={norm_type}"
             model = parity.make_model()
@@ -79,7 +79,7 @@ def _clip_rank() -> dict:
             opt = zerolite.shard(model, parity.make_optimizer(name, model), config)
             losses, norms = _train_clipped(model, opt, data, max_norm, norm_type, sliced=True,
                                            clip=opt.clip_grad_norm_)
-            record_parity(label, model, losses, ref, ref_losses, ddp_errors, report)
+            record_parity(label, model, losses, ref, ref_losses, ddp_dev, report)
             report["norms"][label] = {"max_norm": max_norm, "ref": ref_norms, "ddp": ddp_norms,
                                       "zerolite": norms}
     return report

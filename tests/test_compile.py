@@ -1,8 +1,8 @@
 """``torch.compile`` on a sharded model, stages 1-3, 2 ranks.
 
-Two shapes users write, each against the same loop run uncompiled (per-tensor rel error
-<= 1e-6, losses <= 1e-5 relative; uncompiled zerolite's own parity with single-process
-training is tests/test_parity.py's job):
+Two shapes users write, each against single-process training with `tests.parity`'s rules
+(per tensor and per step, within twice DDP's own deviation; AOTAutograd's decompositions
+round differently from the eager kernels, as another summation order would):
 
 - ``torch.compile(model)`` after ``shard()``, backend ``aot_eager`` (AOTAutograd's joint
   graph, which is what broke stage 3; inductor is measured by hand, see the README's
@@ -25,7 +25,6 @@ from torch._dynamo.utils import counters
 
 import zerolite
 from tests import parity
-from tests.loss_checks import within
 from zerolite.testing import run_ranks
 
 STEPS = 2
@@ -42,7 +41,7 @@ def _loop(model, opt, data, step_fn) -> list[float]:
 
 
 def _run(stage: int, how: str) -> tuple[list[float], dict[str, torch.Tensor], int]:
-    """Train parity.TINY for STEPS steps; ``how``: "eager", "module" or "step".
+    """Train parity.TINY for STEPS steps; ``how``: "module" or "step".
 
     Returns the losses, the full parameters and the number of graphs dynamo compiled.
     """
@@ -68,17 +67,13 @@ def _run(stage: int, how: str) -> tuple[list[float], dict[str, torch.Tensor], in
     return losses, zerolite.full_state_dict(model, rank0_only=False), graphs
 
 
-def _compiled_vs_eager(cases: list[tuple[int, str]]) -> list[tuple[int, str, float, int]]:
-    """Per case: (stage, how, worst per-tensor error against the uncompiled run, graphs)."""
+def _compiled_vs_reference(cases: list[tuple[int, str]]) -> list[tuple[int, str, float, int]]:
+    """Per case: (stage, how, worst per-tensor error against the reference, graphs)."""
+    ref, ref_losses, ddp = parity.ddp_oracle("AdamW", parity.batches(STEPS))
     out = []
-    eager = {stage: _run(stage, "eager") for stage in sorted({s for s, _ in cases})}
     for stage, how in cases:
         losses, full, graphs = _run(stage, how)
-        ref_losses, ref_full, _ = eager[stage]
-        errors = {n: parity.rel_err(full[n], t) for n, t in ref_full.items()}
-        worst = max(errors.values())
-        assert all(e <= 1e-6 for e in errors.values()), f"stage {stage} {how}: {errors}"  # NaN
-        assert within(losses, ref_losses, [1e-5]), f"stage {stage} {how}: {losses} vs {ref_losses}"
+        worst = parity.check_values(f"stage {stage} {how}", full, losses, ref, ref_losses, ddp)
         out.append((stage, how, worst, graphs))
     return out
 
@@ -97,7 +92,7 @@ def _stage3_fullgraph_error() -> str:
 
 
 def _all_cases(cases: list[tuple[int, str]]) -> tuple[list[tuple[int, str, float, int]], str]:
-    return _compiled_vs_eager(cases), _stage3_fullgraph_error()
+    return _compiled_vs_reference(cases), _stage3_fullgraph_error()
 
 
 def test_compiled_training_matches_uncompiled_without_recompiles() -> None:
@@ -110,7 +105,6 @@ def test_compiled_training_matches_uncompiled_without_recompiles() -> None:
         # (its gathers are breaks, so the loop over blocks runs eagerly), once for both
         # blocks. Before zerolite's hooks were excluded: 10 graphs (stage 2, "step").
         assert graphs == 1, (stage, how, graphs)
-        assert worst <= 1e-6
     # Stage 3 with fullgraph=True: dynamo's own error, naming zerolite's hook and what to do.
     assert "zerolite's hooks run eagerly" in fullgraph_error, fullgraph_error
     assert "fullgraph=False" in fullgraph_error, fullgraph_error

@@ -31,8 +31,8 @@ from torch.nn.parallel import DistributedDataParallel
 import zerolite
 from tests import parity
 from tests.comm_spy import CommSpy, link_elements
-from tests.loss_checks import loss_deviations
 from tests.mixed_recipe import POISONED, TENSOR_TOL, mixed_reference, single_thread
+from tests.parity import loss_deviations
 from tests.rank_reports import SMALL_BUCKETS_MB, guarded, new_report, record_parity
 from zerolite import ZeroConfig
 from zerolite.memory import estimate, footprint, formula
@@ -132,10 +132,10 @@ def _parity_rank(data, max_norm) -> dict:
                         clip=lambda: torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm))
     ddp_model = parity.make_model()
     ddp = DistributedDataParallel(ddp_model)
-    _train(ddp, parity.make_optimizer("AdamW", ddp_model), data, no_sync=ddp.no_sync,
-           clip=lambda: torch.nn.utils.clip_grad_norm_(ddp_model.parameters(), max_norm))
-    ddp_errors = {n: parity.rel_err(p, q) for (n, p), (_, q)
-                  in zip(ddp_model.named_parameters(), ref.named_parameters())}
+    ddp_losses = _train(
+        ddp, parity.make_optimizer("AdamW", ddp_model), data, no_sync=ddp.no_sync,
+        clip=lambda: torch.nn.utils.clip_grad_norm_(ddp_model.parameters(), max_norm))
+    ddp_dev = parity.ddp_deviation(ddp_model, ddp_losses, ref, ref_losses)
     report["bf16"] = {}
     finals = {}
     kinds = ((torch.float32, K), (torch.bfloat16, K), (torch.bfloat16, None))
@@ -148,7 +148,7 @@ def _parity_rank(data, max_norm) -> dict:
         label = f"hybrid k={K} stage {stage} {dtype}"
         full = zerolite.full_state_dict(model, rank0_only=False)
         if dtype == torch.float32:
-            record_parity(label, model, losses, ref, ref_losses, ddp_errors, report)
+            record_parity(label, model, losses, ref, ref_losses, ddp_dev, report)
             finals[stage] = full
         else:
             report["bf16"][stage, k, reduce_dtype] = {"losses": losses, "params": full}
@@ -204,11 +204,15 @@ def test_parity_bf16_stages_1_to_3(parity_run):
     - With a bf16 reduce dtype, hybrid rounds the reduced gradient twice (after the
       reduce-scatter, and in the bf16 all-reduce across replica groups, as any bf16 ring
       does), the flat stages once: per tensor within max(2 x the flat stage's own error,
-      2 x TENSOR_TOL) of the recipe. Accumulating micro-batches in bf16 perturbs gradients
-      that are rounding noise (attention key biases) and Adam turns noise into lr-sized
-      steps, so flat and hybrid both sit far from the recipe there; the flat stage's error
-      is the floor, and it is bounded here in turn, at every stage (`_floor_problems`).
-    - With ``reduce_dtype=torch.float32`` hybrid is bitwise the flat stage.
+      2 x TENSOR_TOL) of the recipe (flat stages: 2 x DDP's). Accumulating micro-batches
+      in bf16 perturbs gradients that are rounding noise (attention key biases) and Adam
+      turns noise into lr-sized steps, so flat and hybrid both sit far from the recipe
+      there; the flat stage's error is the floor, and it is bounded here in turn, at every
+      stage (`_floor_problems`).
+    - With ``reduce_dtype=torch.float32`` the same rule. Not bitwise: hybrid adds the four
+      ranks' fp32 gradients as (a + b) + (c + d), the flat stage in its owner's order. Sums
+      of a few bf16 values are mostly exact in fp32, so the two often agree to the bit, but
+      not where the CPU's bf16 kernels (oneDNN: AVX2, AVX-512 or AMX) give wider exponents.
     - Losses within TENSOR_TOL of the recipe; every rank holds the same parameters."""
     data, max_norm, reports = parity_run
     with single_thread():
@@ -235,7 +239,10 @@ def test_parity_bf16_stages_1_to_3(parity_run):
         assert all(d <= TENSOR_TOL for d in vs_recipe), vs_recipe
     fp32_reduce = runs[2, K, torch.float32]["params"]
     flat = runs[2, None, torch.float32]["params"]
-    assert all(torch.equal(fp32_reduce[n], flat[n]) for n in flat)
+    errors = {n: parity.rel_err(fp32_reduce[n], p) for n, p in recipe["params"].items()}
+    floor = {n: parity.rel_err(flat[n], p) for n, p in recipe["params"].items()}
+    bad = {n: (e, floor[n]) for n, e in errors.items() if e > max(2 * floor[n], 2 * TENSOR_TOL)}
+    assert not bad, bad
 
 
 def test_fp16_loss_scaling_with_hybrid(parity_run):

@@ -66,9 +66,9 @@ def _scheduler_rank() -> dict:
     ddp_model = parity.make_model()
     ddp_opt = parity.make_optimizer(name, ddp_model)
     ddp_sched = torch.optim.lr_scheduler.LambdaLR(ddp_opt, _lr_factor)
-    _train_scheduled(DistributedDataParallel(ddp_model), ddp_opt, ddp_sched, data, sliced=True,
-                     record=None)
-    ddp_errors = parity.tensor_errors(ddp_model, ref)
+    ddp_losses = _train_scheduled(DistributedDataParallel(ddp_model), ddp_opt, ddp_sched, data,
+                                  sliced=True, record=None)
+    ddp_dev = parity.ddp_deviation(ddp_model, ddp_losses, ref, ref_losses)
     for stage, bucket_mb in ((1, 25.0), (2, SMALL_BUCKETS_MB)):
         label = f"stage{stage}"
         model = parity.make_model()
@@ -78,7 +78,7 @@ def _scheduler_rank() -> dict:
         opt = zerolite.shard(model, user_opt, config)
         rec: list[dict] = []
         losses = _train_scheduled(model, opt, sched, data, sliced=True, record=rec)
-        record_parity(label, model, losses, ref, ref_losses, ddp_errors, report)
+        record_parity(label, model, losses, ref, ref_losses, ddp_dev, report)
         report["steps"][label] = rec
     return report
 

@@ -216,6 +216,32 @@ def test_track_attributes_a_backward_allocation_to_backward_only():
     assert 0 < stage3["forward_gathered"] <= stage3["bound"], stage3
 
 
+def test_track_labels_follow_the_model_not_cuda_initialisation(monkeypatch):
+    """A CPU model on a machine where CUDA is initialised (as on any GPU machine that ran
+    a CUDA op): every phase measures and labels RSS growth, and the tracker touches none
+    of CUDA's memory counters (it never resets the user's peaks)."""
+    touched: list[str] = []
+    for name in ("reset_peak_memory_stats", "max_memory_allocated", "memory_allocated"):
+        monkeypatch.setattr(torch.cuda, name, lambda *a, _n=name, **k: touched.append(_n) or 0)
+    model = parity.make_model()
+    opt = parity.make_optimizer("AdamW", model)
+    with track() as tracker:
+        with monkeypatch.context() as cuda_machine:
+            cuda_machine.setattr(torch.cuda, "is_available", lambda: True)
+            cuda_machine.setattr(torch.cuda, "is_initialized", lambda: True)
+            opt = zerolite.shard(model, opt, zerolite.ZeroConfig(stage=2))
+        x, y = parity.batches(1)[0]
+        model(x, y).backward()
+        opt.step()
+    assert touched == [], touched
+    assert {phase: p.kind for phase, p in tracker.peaks.items()} == dict.fromkeys(
+        tracker.peaks, "RSS growth"
+    )
+    text = str(tracker)
+    assert "CUDA" not in text and text.count("RSS growth") == len(tracker.peaks), text
+    assert tracker.peaks["build"].process >= 0 and tracker.peaks["backward"].zerolite > 0
+
+
 def test_example_footprint_test_file_passes():
     result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                              str(ROOT / "examples" / "test_memory_footprint.py")],

@@ -140,6 +140,9 @@ def _parity_and_accounting(where: str) -> list[dict]:
                 "estimate": _estimate(config, name, opt.group.rank),
                 "footprint": off_full,
                 "tracked": (t.offloaded, str(t)),
+                "staging": ([s.untyped_storage().nbytes() for s in tier.staging],
+                            tier.chunk_bytes, [s.is_pinned() for s in tier.staging],
+                            tier.arena.nbytes),
             })
             del model, opt
     return out
@@ -326,6 +329,12 @@ def test_resident_bytes_drop_by_the_offloaded_bytes(launched):
             assert label in str(fp)
             tracked, text = r["tracked"]
             assert tracked == held and label in text, (r["case"], tracked, held)
+            # What is allocated, exactly: the arena (never pinned) and the three staging
+            # buffers (pinned only for a CUDA model), each on its own line.
+            sizes, chunk, pinned, arena = r["staging"]
+            assert arena == held and len(sizes) == 3 and min(sizes) >= chunk
+            assert fp.offload_staging == sum(sizes) and not any(pinned), r["case"]
+            assert "offload staging buffers (host): " in str(fp)
             if dtype == "torch.float32":
                 assert fp.master == 0  # the master is the parameter shard: it stays
 

@@ -1,4 +1,4 @@
-"""Stages 1, 2 and 3 in fp32 match single-process and DDP training (DESIGN §7 metric)."""
+"""Stages 1, 2 and 3 in fp32 match single-process and DDP training (tests/parity.py's rules)."""
 
 import pytest
 import torch.distributed as dist
@@ -13,10 +13,8 @@ def _parity_all_optimizers(stages: tuple[int, ...]) -> dict:
     data = parity.batches()
     report = {}
     for name in parity.OPTIMIZERS:
-        ref_model, ref_losses = parity.reference_run(name, data)
-        ddp_model, _ = parity.ddp_run(name, data)
-        ddp_errors = parity.tensor_errors(ddp_model, ref_model)
-        report[f"{name}/DDP"] = max(ddp_errors.values())
+        ref_model, ref_losses, ddp = parity.ddp_oracle(name, data)
+        report[f"{name}/DDP"] = max(ddp.tensors.values())
         for stage in stages:
             for set_to_none in (True, False):
                 # Small buckets in stage 2 exercise several flat buffers and overlap.
@@ -29,7 +27,7 @@ def _parity_all_optimizers(stages: tuple[int, ...]) -> dict:
                 losses = parity.train(model, opt, data, sliced=True, set_to_none=set_to_none)
                 label = f"{name}/stage{stage}/set_to_none={set_to_none}"
                 report[label] = parity.check_parity(
-                    label, model, losses, ref_model, ref_losses, ddp_errors
+                    label, model, losses, ref_model, ref_losses, ddp
                 )
             if stage >= 2 and dist.get_world_size() > 1:
                 # The collectives NCCL runs (torch.distributed's reduce-scatter / all-gather
@@ -48,7 +46,7 @@ def _parity_all_optimizers(stages: tuple[int, ...]) -> dict:
                     )
                 label = f"{name}/stage{stage}/native"
                 report[label] = parity.check_parity(
-                    label, model, losses, ref_model, ref_losses, ddp_errors
+                    label, model, losses, ref_model, ref_losses, ddp
                 )
     return report
 

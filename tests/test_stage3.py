@@ -79,9 +79,9 @@ def _prefetch_and_units_case() -> dict:
     ref = parity.make_model(cfg=FOUR_LAYERS)
     ref_losses = parity.train(ref, parity.make_optimizer("AdamW", ref), data, sliced=False)
     ddp_model = parity.make_model(cfg=FOUR_LAYERS)
-    parity.train(torch.nn.parallel.DistributedDataParallel(ddp_model),
-                 parity.make_optimizer("AdamW", ddp_model), data, sliced=True)
-    ddp_errors = parity.tensor_errors(ddp_model, ref)
+    ddp_losses = parity.train(torch.nn.parallel.DistributedDataParallel(ddp_model),
+                              parity.make_optimizer("AdamW", ddp_model), data, sliced=True)
+    ddp = parity.ddp_deviation(ddp_model, ddp_losses, ref, ref_losses)
     out: dict = {"failures": []}
     finals = {}
     for name, units, prefetch in (("blocks", None, 1), ("blocks", None, 2),
@@ -93,7 +93,7 @@ def _prefetch_and_units_case() -> dict:
         losses = parity.train(model, opt, data, sliced=True)
         try:
             parity.check_parity(f"{name} prefetch={prefetch}", model, losses, ref, ref_losses,
-                                ddp_errors)
+                                ddp)
         except AssertionError as exc:
             out["failures"].append(str(exc))
         finals[name, prefetch] = zerolite.full_state_dict(model, rank0_only=False)
@@ -294,9 +294,11 @@ def _clip_and_schedule_case() -> dict:
     ddp_model = parity.make_model()
     ddp = torch.nn.parallel.DistributedDataParallel(ddp_model)
     ddp_opt = parity.make_optimizer("AdamW", ddp_model)
+    ddp_norms = []
     for (x, y), (_, ref_norm, _) in zip(data, norms):
         ddp(parity.local_slice(x), parity.local_slice(y)).backward()
-        torch.nn.utils.clip_grad_norm_(ddp_model.parameters(), 0.1 * ref_norm)  # the same max_norm
+        ddp_norms.append(  # the same max_norm
+            torch.nn.utils.clip_grad_norm_(ddp_model.parameters(), 0.1 * ref_norm).item())
         ddp_opt.step()
         ddp_opt.zero_grad()
     ddp_errors = parity.tensor_errors(ddp_model, reference)
@@ -318,16 +320,15 @@ def _clip_and_schedule_case() -> dict:
         sched.step()
         after = zerolite.full_state_dict(model2, rank0_only=False)
         changed.append(any(not torch.equal(before[k], after[k]) for k in before))
-    return {"norms": norms, "bad": bad, "changed": changed}
+    return {"norms": norms, "ddp_norms": ddp_norms, "bad": bad, "changed": changed}
 
 
 def test_clipping_and_scheduler_in_stage_3():
     r = run_ranks(_clip_and_schedule_case, 2, timeout=60)[0]
-    # Same parameters (step 1): within 1e-6; later steps also carry the trajectories'
-    # rounding-level divergence (AdamW, parity errors ~1e-6), so 1e-5 there.
-    norm, ref, _ = r["norms"][0]
-    assert abs(norm - ref) <= 1e-6 * ref, r["norms"]
-    for norm, ref, _ in r["norms"][1:]:
-        assert abs(norm - ref) <= 1e-5 * ref, r["norms"]
+    # Per step within twice DDP's deviation from the reference's norm, or a few fp32
+    # roundings of a norm (1e-6 relative): the same gradient's norm summed in another order.
+    assert len(r["norms"]) == len(r["ddp_norms"]) == 4
+    for (norm, ref, _), ddp_norm in zip(r["norms"], r["ddp_norms"]):
+        assert abs(norm - ref) <= max(2 * abs(ddp_norm - ref), 1e-6 * ref), r
     assert r["bad"] == {}, r["bad"]
     assert r["changed"] == [True, True, False, True]

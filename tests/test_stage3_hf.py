@@ -74,16 +74,19 @@ def _lora_parity_case(with_qlora: bool) -> dict:
     reference = make_lora()
     ref_losses = train_lm(reference, make_opt(reference), data, sliced=False)
     ddp_model = make_lora()
-    train_lm(DistributedDataParallel(ddp_model), make_opt(ddp_model), data, sliced=True)
-    ddp_errors = {n: parity.rel_err(p, r)
-                  for (n, p), r in zip(ddp_model.named_parameters(), reference.parameters())}
+    ddp_losses = train_lm(DistributedDataParallel(ddp_model), make_opt(ddp_model), data,
+                          sliced=True)
+    ddp = parity.DdpDeviation(
+        {n: parity.rel_err(p, r)
+         for (n, p), r in zip(ddp_model.named_parameters(), reference.parameters())},
+        parity.loss_deviations(ddp_losses, ref_losses))
     out: dict = {"worst": {}}
     for stage in (1, 2, 3):
         model = make_lora()
         opt = zerolite.shard(model, make_opt(model), zerolite.ZeroConfig(stage=stage))
         losses = train_lm(model, opt, data, sliced=True)
         out["worst"][stage] = parity.check_parity(f"LoRA stage {stage}", model, losses, reference,
-                                                  ref_losses, ddp_errors)
+                                                  ref_losses, ddp)
         if stage == 3:
             n, buffers = dist.get_world_size(), len(opt.flats) + len(opt.frozen_flats)
             out["params_bytes"] = footprint(opt).params

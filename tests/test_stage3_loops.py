@@ -53,13 +53,13 @@ def _variant_case(variant: str) -> dict:
     )
     ddp_model = _make(variant)
     ddp = torch.nn.parallel.DistributedDataParallel(ddp_model)
-    parity.train(ddp, parity.make_optimizer("AdamW", ddp_model), data, sliced=True)
-    ddp_errors = parity.tensor_errors(ddp_model, reference)
+    ddp_losses = parity.train(ddp, parity.make_optimizer("AdamW", ddp_model), data, sliced=True)
+    ddp_dev = parity.ddp_deviation(ddp_model, ddp_losses, reference, ref_losses)
     model = _make(variant)
     opt = zerolite.shard(model, parity.make_optimizer("AdamW", model), zerolite.ZeroConfig(stage=3))
     meter = LiveUnitMeter(model)
     losses = parity.train(model, opt, data, sliced=True)
-    worst = parity.check_parity(variant, model, losses, reference, ref_losses, ddp_errors)
+    worst = parity.check_parity(variant, model, losses, reference, ref_losses, ddp_dev)
     largest, root = _unit_bytes(opt)
     return {"worst": worst, "peak": meter.peak, "bound": 2 * largest + root}
 
@@ -114,13 +114,14 @@ def _frozen_case() -> dict:
     ref_losses = parity.train(reference, _trainable_adamw(reference), data, sliced=False)
     ddp_model = _frozen_model()
     ddp = torch.nn.parallel.DistributedDataParallel(ddp_model)
-    parity.train(ddp, _trainable_adamw(ddp_model), data, sliced=True)
+    ddp_losses = parity.train(ddp, _trainable_adamw(ddp_model), data, sliced=True)
     model = _frozen_model()
     opt = zerolite.shard(model, _trainable_adamw(model), zerolite.ZeroConfig(stage=3))
     meter = LiveUnitMeter(model)
     losses = parity.train(model, opt, data, sliced=True)
     parity.check_parity(
-        "frozen", model, losses, reference, ref_losses, parity.tensor_errors(ddp_model, reference)
+        "frozen", model, losses, reference, ref_losses,
+        parity.ddp_deviation(ddp_model, ddp_losses, reference, ref_losses),
     )
     trainable = sum(p.numel() for p in model.blocks[1].parameters())
     n = dist.get_world_size()

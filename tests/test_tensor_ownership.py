@@ -101,22 +101,36 @@ CLIP = 0.5  # below the tiny GPT's gradient norms: clipping is active on every s
 
 def oracle(
     name: str, data, clip: bool = False
-) -> tuple[torch.nn.Module, list[float], dict[str, float]]:
-    """Reference (one process, whole batch) and DDP's per-tensor error against it; ``clip``:
-    torch's clip_grad_norm_ over all parameters before each step."""
-    def clipper(model: torch.nn.Module):
-        return (lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)) if clip else None
+) -> tuple[torch.nn.Module, list[float], parity.DdpDeviation]:
+    """Reference (one process, whole batch) and the envelope of DDP's deviation from it over
+    every summation order (`parity.summation_orders`; with ``clip``, the other orders also
+    sum the norm over the concatenated gradient): Muon orthogonalises in bf16, so one ulp of
+    difference in a gradient or a clipping coefficient moves its loss, and zerolite sums in
+    its own order (an owner adds the ranks' gradients from its own rank; the norm is summed
+    over shards). ``clip``: clip to CLIP before each step, over all parameters as torch does."""
+    def clipper(model: torch.nn.Module, order: str):
+        if not clip:
+            return None
+        params = list(model.parameters())
+        if order == "plain":
+            return lambda: torch.nn.utils.clip_grad_norm_(params, CLIP)
+        return lambda: torch.nn.utils.clip_grads_with_norm_(
+            params, CLIP, torch.linalg.vector_norm(torch.cat([p.grad.flatten() for p in params])))
 
     ref = parity.make_model()
     ref_losses = parity.train(
-        ref, Both(BUILDERS[name](ref)), data, sliced=False, before_step=clipper(ref)
+        ref, Both(BUILDERS[name](ref)), data, sliced=False, before_step=clipper(ref, "plain")
     )
-    ddp_model = parity.make_model()
-    parity.train(
-        DistributedDataParallel(ddp_model), Both(BUILDERS[name](ddp_model)), data, sliced=True,
-        before_step=clipper(ddp_model),
-    )
-    return ref, ref_losses, parity.tensor_errors(ddp_model, ref)
+    ddp = None
+    world = dist.get_world_size()
+    for order in ["plain", *parity.summation_orders(world, data[0][0].shape[0] // world)]:
+        model = parity.make_model()
+        wrapped = DistributedDataParallel(model)
+        opt = Both(BUILDERS[name](model))
+        losses = parity.train_ddp(wrapped, opt, data, order, clipper(model, order))
+        sample = parity.ddp_deviation(model, losses, ref, ref_losses)
+        ddp = sample if ddp is None else ddp.widen(sample)
+    return ref, ref_losses, ddp
 
 
 def _parity_cases() -> dict:
@@ -130,8 +144,8 @@ def _parity_cases() -> dict:
         ],
         "adafactor": [dict(stage=2, bucket_size_mb=0.01)],
     }.items():
-        ref, ref_losses, ddp_errors = oracle(name, data)
-        report[f"{name}/DDP"] = max(ddp_errors.values())
+        ref, ref_losses, ddp = oracle(name, data)
+        report[f"{name}/DDP"] = max(ddp.tensors.values())
         for config in configs:
             model = parity.make_model()
             opt = shard(name, model, **config)
@@ -139,28 +153,28 @@ def _parity_cases() -> dict:
             losses = parity.train(model, opt, data, sliced=True)
             label = f"{name}/{config}"
             report[label] = parity.check_parity(
-                label, model, losses, ref, ref_losses, ddp_errors
+                label, model, losses, ref, ref_losses, ddp
             )
     # One global norm over both optimizers' gradients, as torch's over the whole model.
-    ref, ref_losses, ddp_errors = oracle("muon+adamw", data, clip=True)
+    ref, ref_losses, ddp = oracle("muon+adamw", data, clip=True)
     model = parity.make_model()
     opt = shard("muon+adamw", model, stage=2, bucket_size_mb=0.01)
     losses = parity.train(
         model, opt, data, sliced=True, before_step=lambda: opt.clip_grad_norm_(CLIP)
     )
     label = "muon+adamw/clipped"
-    report[label] = parity.check_parity(label, model, losses, ref, ref_losses, ddp_errors)
+    report[label] = parity.check_parity(label, model, losses, ref, ref_losses, ddp)
     # AdamW: "tensor" trains as "flat" does. Bit for bit at 2 ranks; beyond, the owner of a
     # parameter sums the ranks' gradients starting from its own (the flat path does the
     # same), so a parameter owned by another rank sums in another order: the parity metric.
-    ref, ref_losses, ddp_errors = oracle("adamw", data)
+    ref, ref_losses, ddp = oracle("adamw", data)
     finals = {}
     for partition in ("flat", "tensor"):
         model = parity.make_model()
         opt = shard("adamw", model, stage=2, bucket_size_mb=0.01, partition=partition)
         losses = parity.train(model, opt, data, sliced=True)
         label = f"adamw/{partition}"
-        report[label] = parity.check_parity(label, model, losses, ref, ref_losses, ddp_errors)
+        report[label] = parity.check_parity(label, model, losses, ref, ref_losses, ddp)
         finals[partition] = zerolite.full_state_dict(model, rank0_only=False)
     report["adamw tensor == flat"] = all(
         torch.equal(finals["flat"][k], finals["tensor"][k]) for k in finals["flat"]

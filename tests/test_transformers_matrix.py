@@ -143,14 +143,16 @@ def _matrix_rank(names: tuple[str, ...]) -> dict:
     for name in names:
         data = _batches(name)
         reference, ref_losses = _reference(name, data, world)
-        ddp, _ = _distributed(name, data, None)
-        ddp_errors = {n: parity.rel_err(p, r) for (n, p), r in
-                      zip(ddp.named_parameters(), reference.parameters())}
+        ddp, ddp_losses = _distributed(name, data, None)
+        ddp_dev = parity.DdpDeviation(
+            {n: parity.rel_err(p, r) for (n, p), r in
+             zip(ddp.named_parameters(), reference.parameters())},
+            parity.loss_deviations(ddp_losses, ref_losses))
         for stage in (1, 2, 3):
             model, losses = _distributed(name, data, stage)
             report[(name, stage)] = parity.check_parity(
-                f"{name} stage {stage}", model, losses, reference, ref_losses, ddp_errors)
-        report[(name, "ddp")] = max(ddp_errors.values())
+                f"{name} stage {stage}", model, losses, reference, ref_losses, ddp_dev)
+        report[(name, "ddp")] = max(ddp_dev.tensors.values())
     return report
 
 

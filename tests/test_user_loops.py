@@ -96,8 +96,8 @@ def _zero_grad_variants_rank(stages: tuple[int, ...]) -> dict:
             ddp_model = parity.make_model()
             ddp = torch.nn.parallel.DistributedDataParallel(ddp_model)
             ddp_opt = parity.make_optimizer("AdamW", ddp_model)
-            _loop(ddp, ddp_opt, data, sliced=True, how=how, shape=shape)
-            ddp_errors = parity.tensor_errors(ddp_model, ref)
+            ddp_losses = _loop(ddp, ddp_opt, data, sliced=True, how=how, shape=shape)
+            ddp_dev = parity.ddp_deviation(ddp_model, ddp_losses, ref, ref_losses)
             for stage in stages:
                 model = parity.make_model()
                 config = zerolite.ZeroConfig(
@@ -108,7 +108,7 @@ def _zero_grad_variants_rank(stages: tuple[int, ...]) -> dict:
                 label = f"stage{stage}/{shape}/{how}"
                 try:
                     report["worst"][label] = parity.check_parity(
-                        label, model, losses, ref, ref_losses, ddp_errors
+                        label, model, losses, ref, ref_losses, ddp_dev
                     )
                 except AssertionError as exc:
                     report["failures"].append(str(exc)[:400])

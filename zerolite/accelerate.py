@@ -7,7 +7,9 @@ are wrong for sharded state (DESIGN §6, measured on accelerate 1.15):
   gradients would be reduced twice and stage 2's saving would vanish. Here models are
   prepared with ``evaluation_mode=True`` (device placement and autocast, no DDP) and
   optimizers are sharded with `zerolite.shard`.
-- ``clip_grad_norm_`` computes a local norm over ``p.grad``: replaced by the global norm.
+- ``clip_grad_norm_`` / ``clip_grad_value_`` read ``p.grad`` (local or gone): replaced by
+  the global norm and a clamp of the reduced shards; ``unscale_gradients`` (and so both,
+  with fp16) would call ``accelerator.scaler``, None here: a no-op.
 - ``save_state`` pickles ``optimizer.state_dict()`` from rank 0 and ``load_state``
   loads it on every rank (rank 1 would get rank 0's shard): replaced by
   `zerolite.checkpoint` per rank, keeping Accelerate's directory naming, ``total_limit``,
@@ -132,6 +134,15 @@ class _ZeroMethods:
     ) -> torch.Tensor:
         """The global norm over all ranks' gradient shards (every rank must call)."""
         return self._sharded_optimizer(parameters).clip_grad_norm_(max_norm, norm_type)
+
+    def clip_grad_value_(self: Any, parameters: Iterable[torch.Tensor], clip_value: float) -> None:
+        """Clamp the reduced, unscaled gradient shards (every rank must call); see
+        `zerolite.ShardedOptimizer.clip_grad_value_`."""
+        self._sharded_optimizer(parameters).clip_grad_value_(clip_value)
+
+    def unscale_gradients(self: Any, optimizer: Any = None) -> None:
+        """Nothing to do: zerolite unscales fp16 gradients itself when it reads the reduced
+        shards (Accelerate's would call ``accelerator.scaler``, None here)."""
 
     def backward(self: Any, loss: torch.Tensor, **kwargs: Any) -> None:
         loss = loss / self.gradient_accumulation_steps
@@ -359,9 +370,10 @@ def setup(
 
     For scripts that cannot change their Accelerator class. It prepares the model
     without DDP, shards the optimizer and patches this accelerator instance's
-    ``clip_grad_norm_``, ``no_sync``, ``backward``, ``get_state_dict``, ``save_state`` and
-    ``load_state`` with zerolite's. Call it instead of ``accelerator.prepare(model,
-    optimizer)``; prepare dataloaders and schedulers with ``accelerator.prepare`` after it.
+    ``clip_grad_norm_``, ``clip_grad_value_``, ``unscale_gradients``, ``no_sync``,
+    ``backward``, ``get_state_dict``, ``save_state`` and ``load_state`` with zerolite's.
+    Call it instead of ``accelerator.prepare(model, optimizer)``; prepare dataloaders and
+    schedulers with ``accelerator.prepare`` after it.
 
     What it cannot cover:
 
@@ -386,8 +398,9 @@ def setup(
     sharded = shard(model, optimizer, _materialise_on(accelerator, model, patched.zero_config))
     patched._zero_sharded = [*getattr(patched, "_zero_sharded", []), (model, sharded)]
     patched.pending_save = getattr(patched, "pending_save", None)
-    for name in ("_sharded_optimizer", "no_sync", "clip_grad_norm_", "backward", "get_state_dict",
-                 "_checkpoint_dir", "_finish_pending_save", "save_state", "load_state"):
+    for name in ("_sharded_optimizer", "no_sync", "clip_grad_norm_", "clip_grad_value_",
+                 "unscale_gradients", "backward", "get_state_dict", "_checkpoint_dir",
+                 "_finish_pending_save", "save_state", "load_state"):
         setattr(patched, name, types.MethodType(getattr(_ZeroMethods, name), accelerator))
     wrapped = _SkipAwareOptimizer(sharded, device_placement=False, scaler=None)
     accelerator._optimizers.append(wrapped)

@@ -19,10 +19,20 @@ fixed order, so results do not depend on message arrival.
 [Note: lockstep] Every rank issues zerolite's exchanges in the same order, so each has a
 sequence number that is equal on every rank (`Group.sequence`). Point-to-point messages
 are tagged with it, and the small exchanges carry it (the step's gradient agreement,
-`all_gather_bytes`): a rank that skipped a step or an iteration cannot pair its messages
-with another step's -- it raises `RankMismatchError`, or waits and times out. Every wait
-is bounded by ``ZeroConfig.timeout_s`` and raises `CollectiveTimeout` naming the operation
-and the step.
+`zerolite.small_exchange.all_gather_bytes`): a rank that skipped a step or an iteration
+cannot pair its messages with another step's -- it raises `RankMismatchError`, or waits
+and times out.
+
+[Note: waits] On gloo every wait is bounded by ``ZeroConfig.timeout_s`` and raises
+`CollectiveTimeout` naming the operation and the step. On NCCL a wait takes no timeout:
+``WorkNCCL::wait`` with a timeout busy-waits the host until the kernel finishes (and aborts
+the communicator on expiry), which would make every bucket wait, unshard and step
+all-gather a host sync. Without one it makes the current CUDA stream wait for the exchange
+and returns at once; the process group's own timeout and NCCL's watchdog bound it.
+
+Where tensors live is `zerolite.devices`' decision (the group's buffer device and the
+communication device of small exchanges); small exchanges themselves are
+`zerolite.small_exchange`'s.
 
 Launches are asynchronous and return a `Pending`; callers decide when to `wait()`.
 With world size 1 (or no process group) nothing is communicated.
@@ -30,15 +40,13 @@ With world size 1 (or no process group) nothing is communicated.
 
 from __future__ import annotations
 
-import struct
 from collections.abc import Callable, Sequence
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
-from zerolite.errors import CollectiveTimeout, RankMismatchError
+from zerolite.group import Group
 
 __all__ = [
     "Pending",
@@ -48,7 +56,7 @@ __all__ = [
     "all_reduce",
     "broadcast",
     "broadcast_coalesced",
-    "all_gather_bytes",
+    "gather",
 ]
 
 # torch 2.13 renamed the flat collectives and deprecated the old names (FutureWarning).
@@ -66,95 +74,9 @@ def _tag(sequence: int, key: int) -> int:
     return (sequence % _SEQUENCE_SPACE) << _KEY_BITS | key % (1 << _KEY_BITS)
 
 
-class Group:
-    """The communicator of one sharded model: a process group with its rank, size and
-    backend looked up once, how exchanges travel, how long they may wait, and the
-    sequence numbers of [Note: lockstep].
-
-    Args:
-        process_group: the group, or ``None`` for the default group; when
-            torch.distributed is not initialised this is a group of one.
-        collectives: ``"auto"``, ``"native"`` or ``"point_to_point"`` (`ZeroConfig`).
-        timeout_s: the bound on every wait, in seconds.
-    """
-
-    def __init__(
-        self,
-        process_group: dist.ProcessGroup | None = None,
-        *,
-        collectives: str = "auto",
-        timeout_s: float = 600.0,
-    ) -> None:
-        self.pg = process_group
-        if dist.is_available() and dist.is_initialized():
-            self.rank = dist.get_rank(process_group)
-            self.size = dist.get_world_size(process_group)
-            self.backend = str(dist.get_backend(process_group)).lower()
-            self._global_ranks = [
-                r if process_group is None else dist.get_global_rank(process_group, r)
-                for r in range(self.size)
-            ]
-        else:
-            self.rank, self.size, self.backend, self._global_ranks = 0, 1, "none", [0]
-        # True where reduce-scatter and all-gather are built from isend/irecv.
-        self.point_to_point = collectives == "point_to_point" or (
-            collectives == "auto" and self.backend == "gloo"
-        )
-        self.timeout = timedelta(seconds=timeout_s)
-        # Lockstep counters, equal on every rank that runs the same loop, compared at each
-        # step (`zerolite.grad_reducer`): exchanges issued so far on this group, optimizer
-        # steps completed (named in errors), and forwards started with gradients enabled
-        # (a rank that raised in a forward and skipped the iteration issues the same
-        # exchanges as its peers, one batch late: only this count tells).
-        self.sequence = 0
-        self.step = 0
-        self.forwards = 0
-
-    # Hybrid sharding (`zerolite.hybrid`): this shard group's replica group; None when flat.
-    replicas: Group | None = None
-
-    @property
-    def world(self) -> Group:
-        """Every data-parallel rank: the group itself unless hybrid (`zerolite.hybrid`)."""
-        return self
-
-    def next_sequence(self) -> int:
-        self.sequence += 1
-        return self.sequence
-
-    def global_rank(self, rank: int) -> int:
-        return self._global_ranks[rank]
-
-    @property
-    def device(self) -> torch.device:
-        """Where small exchanges (flags, bytes) live: NCCL needs CUDA tensors."""
-        if self.backend == "nccl":
-            return torch.device("cuda", torch.cuda.current_device())
-        return torch.device("cpu")
-
-    def prefix(self) -> str:
-        """``[rank r/N]``, for internal error messages."""
-        return f"[rank {self.rank}/{self.size}]"
-
-    def failure(self, what: str, exc: BaseException) -> CollectiveTimeout:
-        """The error for exchange ``what`` that did not complete (``exc``: the backend's)."""
-        text = str(exc)
-        timed_out = "imed out" in text or "timeout" in text.lower()
-        reason = (
-            f"did not complete within ZeroConfig.timeout_s={self.timeout.total_seconds():g}s"
-            if timed_out
-            else f"failed ({text.splitlines()[0][:200] if text else type(exc).__name__})"
-        )
-        return CollectiveTimeout(
-            f"{self.prefix()} zerolite: {what} at step {self.step} {reason}. Another rank is "
-            "not taking part: it may have skipped step() or an iteration, run save(), load(), "
-            "full_state_dict() or a stage-3 forward alone, or died. Every rank must run the "
-            "same zerolite operations in the same order."
-        )
-
-
 class Pending:
-    """Handle of launched communication; `wait` blocks (bounded), then runs the finishing step."""
+    """Handle of launched communication; `wait` waits ([Note: waits]), then runs the
+    finishing step."""
 
     def __init__(
         self,
@@ -174,7 +96,7 @@ class Pending:
         if self.done:
             return
         for work in self._works:
-            _bounded_wait(work, self._group, self._what)
+            _wait(work, self._group, self._what)
         self._works.clear()
         if self._finish is not None:
             self._finish()
@@ -182,12 +104,16 @@ class Pending:
         self.done = True
 
 
-def _bounded_wait(work: dist.Work, group: Group | None, what: str) -> None:
+def _wait(work: dist.Work, group: Group | None, what: str) -> None:
+    """Wait for ``work`` as [Note: waits] says: bounded on gloo, a stream wait on NCCL."""
     if group is None:
         work.wait()
         return
     try:
-        work.wait(group.timeout)
+        if group.bounded_waits:
+            work.wait(group.timeout)
+        else:
+            work.wait()
     except RuntimeError as exc:
         raise group.failure(what, exc) from exc
 
@@ -314,28 +240,32 @@ def all_reduce(
     *,
     what: str,
 ) -> None:
-    """Bounded, in-place all-reduce of a small tensor (norms, flags); no-op for one rank."""
+    """In-place all-reduce of a data tensor where it lives (a gradient shard across replica
+    groups), waited ([Note: waits]); no-op for one rank. Small values (flags, counters,
+    norms) go through `zerolite.small_exchange.exchange_small` instead."""
     if group.size > 1:
         group.next_sequence()
         with record_function("zerolite::all_reduce"):
             work = dist.all_reduce(tensor, op=op, group=group.pg, async_op=True)
-        _bounded_wait(work, group, what)
+        _wait(work, group, what)
 
 
 def broadcast(tensor: torch.Tensor, src: int, group: Group, *, what: str) -> None:
-    """Bounded, in-place broadcast from group rank ``src``; no-op for one rank."""
+    """In-place broadcast of a data tensor where it lives (a flat buffer) from group rank
+    ``src``, waited ([Note: waits]); no-op for one rank."""
     if group.size > 1:
         group.next_sequence()
         with record_function("zerolite::broadcast"):
             work = dist.broadcast(tensor, group.global_rank(src), group=group.pg, async_op=True)
-        _bounded_wait(work, group, what)
+        _wait(work, group, what)
 
 
 def broadcast_coalesced(
     tensors: Sequence[torch.Tensor], src: int, group: Group, *, what: str
 ) -> None:
-    """Bounded in-place broadcast of many tensors from group rank ``src``, one exchange per
-    (dtype, device) kind (as DDP's construction-time broadcast); no-op for one rank."""
+    """In-place broadcast of many tensors from group rank ``src``, one exchange per (dtype,
+    device) kind (as DDP's construction-time broadcast), each packed on the group's
+    communication device (`Group.device`); no-op for one rank."""
     if group.size == 1 or not tensors:
         return
     kinds: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
@@ -351,31 +281,22 @@ def broadcast_coalesced(
                 offset += t.numel()
 
 
-def all_gather_bytes(payload: bytes, group: Group, *, what: str) -> list[bytes]:
-    """Every rank's ``payload``, in rank order (two bounded collectives; no pickle).
+def gather(tensor: torch.Tensor, dst: int, group: Group, *, what: str) -> list[torch.Tensor] | None:
+    """Every rank's ``tensor`` (equal shapes and dtypes), in rank order, on group rank
+    ``dst``; None on the other ranks. Waited ([Note: waits]); ``[tensor]`` for one rank.
 
-    All ranks must call; payloads may differ in length. Each carries this exchange's
-    sequence number: ranks out of lockstep raise `RankMismatchError` on every rank.
+    All ranks of ``group`` must call, in the same order relative to zerolite's other
+    exchanges. The gathered tensors live where ``tensor`` does.
     """
     if group.size == 1:
-        return [payload]
-    sequence = group.next_sequence()
-    framed = struct.pack("<Q", sequence) + payload
-    device = group.device
-    length = torch.tensor([len(framed)], dtype=torch.int64, device=device)
-    lengths = [torch.empty_like(length) for _ in range(group.size)]
-    _bounded_wait(dist.all_gather(lengths, length, group=group.pg, async_op=True), group, what)
-    longest = max(int(x.item()) for x in lengths)
-    data = torch.zeros(longest, dtype=torch.uint8, device=device)
-    data[: len(framed)] = torch.frombuffer(bytearray(framed), dtype=torch.uint8)
-    gathered = [torch.empty_like(data) for _ in range(group.size)]
-    _bounded_wait(dist.all_gather(gathered, data, group=group.pg, async_op=True), group, what)
-    frames = [bytes(g[: int(n.item())].cpu().tolist()) for g, n in zip(gathered, lengths)]
-    sequences = [struct.unpack("<Q", f[:8])[0] if len(f) >= 8 else -1 for f in frames]
-    if len(set(sequences)) > 1:
-        raise RankMismatchError(
-            f"{group.prefix()} zerolite: {what} at step {group.step}: ranks are out of step "
-            f"(exchange numbers {sequences}): a rank skipped or added a zerolite operation "
-            "(step(), an iteration, save()/load()/full_state_dict() on some ranks only)"
+        return [tensor]
+    received = (
+        [torch.empty_like(tensor) for _ in range(group.size)] if group.rank == dst else None
+    )
+    group.next_sequence()
+    with record_function("zerolite::gather"):
+        work = dist.gather(
+            tensor, received, dst=group.global_rank(dst), group=group.pg, async_op=True
         )
-    return [f[8:] for f in frames]
+    _wait(work, group, what)
+    return received

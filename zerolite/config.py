@@ -52,7 +52,10 @@ class ZeroConfig:
             ``torch.distributed.device_mesh.DeviceMesh`` (replicate x shard) shards along
             its second dimension and replicates along its first (hybrid sharding, see
             ``shard_group_size``).
-        device: where flat buffers live; ``None`` keeps the parameters' own device.
+        device: where flat buffers live; ``None`` keeps the parameters' own device (a model
+            built on the meta device: the process group's CUDA device under NCCL -- its
+            bound ``device_id``, else the current CUDA device -- otherwise the CPU; see
+            `zerolite.devices`). ``"cuda"`` means the current CUDA device at `shard()`.
             Env: ``ZEROLITE_DEVICE``.
         elementwise_optimizers: optimizer classes, beyond zerolite's allow-list, that
             the user declares elementwise (their update of an element depends only on
@@ -74,10 +77,13 @@ class ZeroConfig:
             from ``isend``/``irecv``, each exchange tagged with its sequence number (gloo has
             a slow all-gather and runs reduce-scatter as a full all-reduce); ``"auto"``
             (default): point-to-point on gloo, native otherwise. Env: ``ZEROLITE_COLLECTIVES``.
-        timeout_s: seconds any zerolite collective may wait for the other ranks before it
-            raises `zerolite.CollectiveTimeout` naming the operation and the step (a rank
-            that skipped ``step()``, saved alone or died). On NCCL, waits are asynchronous
-            and the process group's own timeout is the bound. Env: ``ZEROLITE_TIMEOUT_S``.
+        timeout_s: seconds any zerolite collective over gloo may wait for the other ranks
+            before it raises `zerolite.CollectiveTimeout` naming the operation and the step
+            (a rank that skipped ``step()``, saved alone or died). Not used on NCCL: there a
+            wait with a timeout would block the host until the kernel finished, so zerolite
+            waits without one (the current CUDA stream waits for the exchange) and the
+            bound is the process group's own timeout (``init_process_group(timeout=...)``),
+            enforced by NCCL's watchdog. Env: ``ZEROLITE_TIMEOUT_S``.
         offload: where this rank's share of the optimizer state lives (its moments, and
             the fp32 masters when parameters are 16-bit; fp32 masters are the parameters
             and stay): ``None`` (default) in compute memory; ``"disk"``: a preallocated

@@ -17,8 +17,9 @@ import hashlib
 import json
 from collections.abc import Iterator
 
-from zerolite.collectives import Group, all_gather_bytes
+from zerolite.collectives import Group
 from zerolite.errors import RankMismatchError
+from zerolite.small_exchange import all_gather_bytes
 
 __all__ = ["RankMismatchError", "agree", "agreed"]
 

@@ -98,10 +98,13 @@ class FlatParamBuffer:
         self._placeholders = [self._nan[0].expand(shape) for shape in self.shapes]
         self.reshard()
 
-    def placeholder_written(self) -> bool:
-        """True if something wrote into the freed parameters (``fill_`` and ``zero_`` accept
-        a broadcast tensor, so the write landed in the shared NaN and is lost)."""
-        return not self.replicated and not bool(torch.isnan(self._nan).item())
+    def placeholder_written(self) -> torch.Tensor:
+        """A 0-dim bool tensor on the buffer's device (read it when convenient: no sync
+        here): True if something wrote into the freed parameters (``fill_`` and ``zero_``
+        accept a broadcast tensor, so the write landed in the shared NaN and is lost)."""
+        if self.replicated:
+            return torch.zeros((), dtype=torch.bool, device=self.data.device)
+        return ~torch.isnan(self._nan[0])
 
     @property
     def unsharded(self) -> bool:

@@ -38,12 +38,12 @@ import logging
 from collections import deque
 
 import torch
-import torch.distributed as dist
 
 from zerolite.bucket import GradBucket
-from zerolite.collectives import Group, all_reduce
+from zerolite.collectives import Group
 from zerolite.compile_guard import not_compiled
 from zerolite.errors import RankMismatchError
+from zerolite.small_exchange import exchange_small
 
 __all__ = ["GradReducer"]
 
@@ -168,14 +168,14 @@ class GradReducer:
             # max: ranks out of step all see it, and all raise (see collectives' lockstep).
             unreduced = any(b.unreduced for b in self.buckets)
             counters = [self.group.sequence, self.group.step, self.group.forwards]
-            flags = torch.cat([
+            local = torch.cat([
                 *self.local_used,
                 torch.tensor([unreduced]),
                 torch.tensor([v for c in counters for v in (c, -c)]),
             ]).to(torch.int64)
             # Over every rank (hybrid: all replica groups too), since all of them reduce.
-            all_reduce(
-                flags, self.group.world, dist.ReduceOp.MAX, what="step()'s gradient agreement"
+            flags = exchange_small(
+                local, self.group.world, "max", what="step()'s gradient agreement"
             )
             _check_lockstep(self.group, flags[-6:].tolist())
             if flags[-7]:

@@ -65,7 +65,10 @@ class LinkedGroup(Group):
     ) -> None:
         self._world = world  # first: Group.__init__ sets the counters, which live there
         self.role = role
-        super().__init__(process_group, collectives=collectives, timeout_s=timeout_s)
+        super().__init__(
+            process_group, collectives=collectives, timeout_s=timeout_s,
+            device=world.buffer_device,
+        )
 
     @property
     def world(self) -> Group:

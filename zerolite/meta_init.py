@@ -59,11 +59,11 @@ import torch
 from torch import nn
 
 from zerolite import phase_events
-from zerolite.collectives import Group, broadcast
+from zerolite.collectives import Group
 from zerolite.config import ZeroConfig
 from zerolite.flat_buffer import FlatParamBuffer
-from zerolite.hybrid import data_parallel_group
 from zerolite.shard_state import state_of
+from zerolite.small_exchange import exchange_small
 
 __all__ = [
     "MetaBuild",
@@ -71,7 +71,6 @@ __all__ = [
     "check_meta_build",
     "check_nothing_on_meta",
     "mark_loaded",
-    "materialize_device",
     "materialize",
 ]
 
@@ -125,13 +124,6 @@ def mark_loaded(model: nn.Module, names: list[str] | None) -> None:
         build.uninitialised.pop(name, None)
 
 
-def materialize_device(config: ZeroConfig) -> torch.device:
-    """Where a meta-built model is materialised when ``config.device`` is None."""
-    if Group(data_parallel_group(config)).backend == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
 def check_meta_build(
     model: nn.Module, optimizer: torch.optim.Optimizer, config: ZeroConfig
 ) -> None:
@@ -174,14 +166,9 @@ def _rank0_generators(device: torch.device, group: Group) -> Iterator[None]:
     # uint8, same sizes on every rank
     states = [torch.get_rng_state()] + [torch.cuda.get_rng_state(d) for d in cuda]
     packed = torch.cat(states)
-    # NCCL broadcasts CUDA tensors only.
-    wire = (
-        packed.to(torch.device("cuda", torch.cuda.current_device()))
-        if group.backend == "nccl"
-        else packed
-    )
-    broadcast(wire, 0, group, what="shard()'s broadcast of rank 0's generator states")
-    rank0 = wire.cpu().split([s.numel() for s in states])
+    rank0 = exchange_small(
+        packed, group, "broadcast", src=0, what="shard()'s broadcast of rank 0's generator states"
+    ).split([s.numel() for s in states])
     with torch.random.fork_rng(devices=cuda):
         torch.set_rng_state(rank0[0].clone())
         for d, state in zip(cuda, rank0[1:]):
@@ -299,13 +286,31 @@ def materialize(
             for _, p in flat_params[i]:
                 p.data = _nan_like(p, device)
 
+    # (module name, module, flag on the device): whether a sealed unit's placeholder had
+    # been written once that module's initialiser returned. Read in one host sync per unit
+    # (`check_sealed`), not one per module.
+    pending: list[tuple[str, nn.Module, torch.Tensor]] = []
+
+    def check_sealed() -> None:
+        if not pending:
+            return
+        written = torch.stack([flag for _, _, flag in pending]).tolist()
+        for (name, module, _), hit in zip(pending, written):
+            if hit:  # the first module after whose initialiser it was written
+                raise _init_error(
+                    name, module, init_fn, "it wrote a parameter of a unit already sharded"
+                )
+        pending.clear()
+
     def close_flat(i: int) -> None:
+        check_sealed()
         if i not in opened:
             open_flat(i)
         closed.add(i)
         flat = flats[i] = flats[i] if flats[i] is not None else make_flat(i)
-        for name, p in flat_params[i]:
-            if p.isnan().any():
+        blank = torch.stack([p.isnan().any() for _, p in flat_params[i]]).tolist()
+        for (name, _), nan in zip(flat_params[i], blank):
+            if nan:
                 uninitialised[name] = "parameter"
         if shard:
             flat.shard_only()
@@ -350,10 +355,9 @@ def materialize(
                 )
             if _initialise(name, module, init_fn):
                 initialised_modules.add(id(module))
-            if any(flat.placeholder_written() for flat in sealed):
-                raise _init_error(
-                    name, module, init_fn, "it wrote a parameter of a unit already sharded"
-                )
+            if sealed:
+                flags = [flat.placeholder_written() for flat in sealed]
+                pending.append((name, module, torch.stack(flags).any()))
             module._parameters.update(tied)
             held.update(id(p) for p in module._parameters.values() if p is not None)
             for i in closed_by.get(id(module), []):
@@ -361,6 +365,7 @@ def materialize(
         for i in range(len(flat_params)):
             if i not in closed:
                 close_flat(i)
+        check_sealed()
     _check_unsharded(
         model, flat_of, made_buffers, buffer_owner, initialised_modules, uninitialised
     )

@@ -13,11 +13,13 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any, Protocol
 
+import torch
+
 __all__ = ["Observer", "built", "observe", "phase", "sample"]
 
 
 class Observer(Protocol):
-    def enter(self, phase: str) -> None: ...
+    def enter(self, phase: str, device: torch.device | None = None) -> None: ...
 
     def sample(self, held_bytes: int | None = None) -> None: ...
 
@@ -38,10 +40,11 @@ def observe(observer: Observer) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def phase(name: str) -> Iterator[None]:
-    """Everything inside is attributed to phase ``name`` (``"build"`` or ``"load"``)."""
+def phase(name: str, device: torch.device | None = None) -> Iterator[None]:
+    """Everything inside is attributed to phase ``name`` (``"build"`` or ``"load"``);
+    ``device``: where the model's flat buffers live (or will), when known."""
     for observer in list(_observers):
-        observer.enter(name)
+        observer.enter(name, device)
     try:
         yield
     finally:

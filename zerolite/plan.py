@@ -15,8 +15,10 @@ import torch
 from torch import nn
 
 from zerolite.config import ZeroConfig
+from zerolite.devices import buffer_device
+from zerolite.hybrid import data_parallel_group
 from zerolite.layout import size_partition
-from zerolite.meta_init import check_meta_build, check_nothing_on_meta, materialize_device
+from zerolite.meta_init import check_meta_build, check_nothing_on_meta
 from zerolite.optim.contract import check_optimizer, check_tensor_optimizer
 from zerolite.optim.multi import class_name, inner_optimizers
 from zerolite.optim.sharded_optimizer import ShardedOptimizer
@@ -107,11 +109,20 @@ class ShardPlan:
 
 
 def plan_layout(
-    model: nn.Module, optimizer: torch.optim.Optimizer, config: ZeroConfig
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    config: ZeroConfig,
+    *,
+    device: torch.device | None = None,
 ) -> ShardPlan:
     """Validate the inputs of `shard` and decide its flat buffers; modifies nothing.
 
     Used by `shard` and by `zerolite.memory.estimate`.
+
+    Args:
+        model, optimizer, config: as `zerolite.shard`.
+        device: where the flat buffers live, as `shard()` decided it for its group
+            (`zerolite.devices.buffer_device`); None decides it here the same way.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"shard() needs an nn.Module as model, got {type(model).__name__}")
@@ -187,10 +198,14 @@ def plan_layout(
     on_meta = source.type == "meta"
     if on_meta:
         check_meta_build(model, optimizer, config)
-        device = config.device if config.device is not None else materialize_device(config)
     else:
         check_nothing_on_meta(model, source)
-        device = config.device if config.device is not None else source
+    if device is None:  # the group matters only to a meta build without config.device
+        needs_group = on_meta and config.device is None
+        device = buffer_device(
+            [p for _, p in managed], config.device,
+            data_parallel_group(config) if needs_group else None,
+        )
     if policy.shards_parameters:
         # One flat buffer per unit, in the order backward completes them: the blocks in
         # reverse, then the root (its embedding's gradient is the last to arrive). Frozen

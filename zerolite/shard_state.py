@@ -18,11 +18,13 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import weakref
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+
+from zerolite.state_device import loaded_state
 
 if TYPE_CHECKING:
     from zerolite.collectives import Group
@@ -67,6 +69,8 @@ class Piece:
         tier: the `OffloadTier` holding the piece's state (and 16-bit master, ``master``
             then being a meta placeholder), or None when it is resident.
         slot: the piece's slot in ``tier``.
+        param_group: the optimizer's param group holding ``master`` (its ``fused`` /
+            ``capturable`` flags decide where a loaded ``step`` goes), when known.
 
     Code that reads or writes values (checkpoints, loads) goes through `read_master`,
     `read_state` and `write`, which work for resident and offloaded pieces alike.
@@ -83,6 +87,7 @@ class Piece:
     tier: OffloadTier | None = None
     slot: int = -1
     optimizer_state: Mapping[Any, Any] | None = dataclasses.field(default=None, repr=False)
+    param_group: Mapping[str, Any] | None = dataclasses.field(default=None, repr=False)
 
     @property
     def master_offloaded(self) -> bool:
@@ -113,18 +118,20 @@ class Piece:
 
     def write(self, master: torch.Tensor, state: dict[str, Any]) -> None:
         """Replace the piece's master values and optimizer state (a load). The parameters
-        show the new masters after `ShardState.publish` (every rank must call it)."""
+        show the new masters after `ShardState.publish` (every rank must call it).
+
+        State tensors go where torch's own ``load_state_dict`` puts them
+        (`zerolite.state_device`): the master's device, except a ``step`` counter,
+        which stays on the CPU unless the group is fused or capturable."""
         assert self.optimizer_state is not None
         target: Any = self.optimizer_state
         self.write_master(master)
         if self.tier is None:
-            target[self.master] = {k: v.to(self.master.device) for k, v in state.items()}
+            target[self.master] = loaded_state(state, self.master.device, self.param_group)
             return
         scalars = self.tier.write_state(self.slot, dict(state))
         device = self.tier.device  # (``master`` may be a meta placeholder)
-        target[self.master] = {
-            k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in scalars.items()
-        }
+        target[self.master] = loaded_state(scalars, device, self.param_group)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,12 +156,15 @@ def pieces_of(
     masters: list[MasterShard],
     optimizer_state: Mapping[Any, Any],
     tier: OffloadTier | None = None,
+    param_groups: Iterable[Mapping[str, Any]] = (),
 ) -> Iterator[Piece]:
     """This rank's piece of every parameter of ``masters``' flat buffers, in layout order.
 
     `ShardState.pieces` with the state spelled out: `shard()` needs it before the state
     exists, to re-point the optimizer at the pieces (and before the offload tier exists).
+    ``param_groups``: the optimizer's, to give each piece its group (`Piece.param_group`).
     """
+    group_of = {id(t): g for g in param_groups for t in g["params"]}
     for b, master in enumerate(masters):
         flat = master.flat
         for j, (piece, tensor) in enumerate(zip(flat.pieces, master.pieces)):
@@ -171,6 +181,7 @@ def pieces_of(
                 tier=None if slot is None else tier,
                 slot=-1 if slot is None else slot,
                 optimizer_state=optimizer_state,
+                param_group=group_of.get(id(tensor)),
             )
 
 
@@ -247,7 +258,7 @@ class ShardState:
 
     def pieces(self) -> Iterator[Piece]:
         """This rank's piece of every trained parameter: buffer by buffer, in layout order."""
-        return pieces_of(self.masters, self.inner.state, self.offload)
+        return pieces_of(self.masters, self.inner.state, self.offload, self.inner.param_groups)
 
     def frozen_pieces(self) -> Iterator[FrozenPiece]:
         """Stage 3: this rank's piece of every frozen parameter, in layout order."""

@@ -84,7 +84,8 @@ def _detach(*fds: Any) -> list[int]:
 
 
 def _rank_main(job: bytes, rank: int, world_size: int, store_path: str, timeout: float,
-               backend: str, env: dict[str, str], stdio: list[int], conn: Connection) -> None:
+               backend: str | None, env: dict[str, str], stdio: list[int],
+               conn: Connection) -> None:
     """Body of one rank process: join the group, run ``fn`` and send one message back."""
     for target, fd in enumerate(stdio, start=1):
         os.dup2(fd, target)
@@ -102,8 +103,12 @@ def _rank_main(job: bytes, rank: int, world_size: int, store_path: str, timeout:
         torch.set_num_threads(1)
         fn, args = pickle.loads(job)
         store = dist.FileStore(store_path, world_size)  # type: ignore[attr-defined]
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
-                                timeout=timedelta(seconds=timeout))
+        options: dict[str, Any] = {} if backend is None else {"backend": backend}
+        if _uses_cuda(backend):  # rank r on cuda:r, current and bound to the group
+            torch.cuda.set_device(rank)
+            options["device_id"] = torch.device("cuda", rank)
+        dist.init_process_group(store=store, rank=rank, world_size=world_size,
+                                timeout=timedelta(seconds=timeout), **options)
         message: tuple[str, Any] = ("ok", pickle.dumps(fn(*args), pickle.HIGHEST_PROTOCOL))
     except BaseException:  # noqa: BLE001 - SystemExit/KeyboardInterrupt in fn fail it too
         message = ("err", traceback.format_exc())
@@ -149,27 +154,58 @@ def _describe_exit(code: int | None) -> str:
         return f"signal {-code}"
 
 
+def _uses_cuda(backend: str | None) -> bool:
+    """Whether ranks of this backend run on CUDA devices: NCCL (alone or per device, as
+    ``"cpu:gloo,cuda:nccl"``), or no backend on a CUDA machine (torch then picks NCCL)."""
+    import torch
+
+    if backend is None or backend.lower() == "undefined":
+        return torch.cuda.is_available()
+    return "nccl" in backend.lower()
+
+
+def _check_devices(backend: str | None, world_size: int) -> None:
+    """Refuse, in the parent, a CUDA backend without a GPU for every rank."""
+    if not _uses_cuda(backend):
+        return
+    import torch
+
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if count < world_size:
+        raise ValueError(
+            f"run_ranks(backend={backend!r}, world_size={world_size}): each rank runs on its own "
+            f"GPU (NCCL refuses two ranks on one device) and this machine has {count}; use at "
+            f"most {count} ranks, or backend='gloo'"
+        )
+
+
 def run_ranks(fn: Callable[..., _T], world_size: int, *args: Any, timeout: float = 120.0,
-              backend: str = "gloo") -> list[_T]:
+              backend: str | None = "gloo") -> list[_T]:
     """Run ``fn(*args)`` on ``world_size`` fresh processes forming a process group.
 
     Each rank runs in its own process, inside an initialised default process group (rank ``r``
     of ``world_size``), with ``torch.set_num_threads(1)`` and ``RANK``, ``WORLD_SIZE``,
     ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE`` set. The group is destroyed after ``fn`` returns.
+    With a CUDA backend (NCCL), rank ``r`` runs on ``cuda:r``: it is the rank's current
+    device and the group's bound device (``init_process_group(device_id=...)``).
 
     Args:
         fn: Module-level function to run on every rank (it is pickled by reference).
         world_size: Number of ranks, an int >= 1.
         *args: Picklable positional arguments passed to ``fn`` on every rank.
         timeout: Seconds allowed for the whole launch; also the process group's timeout.
-        backend: ``torch.distributed`` backend to initialise.
+        backend: ``torch.distributed`` backend to initialise (``"gloo"``, ``"nccl"``,
+            ``"cpu:gloo,cuda:nccl"``, ...); ``None`` calls ``init_process_group()`` without
+            one, which torch 2.13 reports as ``"undefined"`` (gloo for CPU tensors, or
+            NCCL for CUDA tensors on a CUDA machine).
 
     Returns:
         The values returned by ``fn``, ordered by rank. They are sent back with plain
         :func:`pickle`, so they may contain CPU tensors.
 
     Raises:
-        ValueError: ``world_size`` is not an int >= 1.
+        ValueError: ``world_size`` is not an int >= 1; a CUDA backend with fewer GPUs
+            than ranks.
         TypeError: ``fn`` is a lambda or local function, or ``fn``/``args`` cannot be pickled.
         RankFailure: A rank raised or its process died; the message holds each failing
             rank's traceback labelled ``[rank r/N]``.
@@ -188,6 +224,7 @@ def run_ranks(fn: Callable[..., _T], world_size: int, *args: Any, timeout: float
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
+    _check_devices(backend, world_size)
     job = _pickle_job(fn, args)
     start = time.monotonic()
     ctx = mp.get_context("forkserver")

@@ -21,7 +21,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import cast
 
 import torch
@@ -33,6 +33,7 @@ from zerolite.collectives import Group, broadcast, broadcast_coalesced
 from zerolite.compile_guard import exclude_from_compile, not_compiled
 from zerolite.config import ZeroConfig
 from zerolite.consensus import agreed
+from zerolite.devices import backends_of, buffer_device, check_buffer_device
 from zerolite.flat_buffer import FlatParamBuffer
 from zerolite.grad_reducer import GradReducer
 from zerolite.hooks import KeepFullGrads, ShardGradsInBackward
@@ -95,7 +96,9 @@ def shard(
         The `ShardedOptimizer` to use instead of ``optimizer`` from now on.
     Raises:
         TypeError: unsupported optimizer class, or arguments of the wrong type.
-        ValueError: stage 0, parameters not in the model, on mixed devices, or listed twice.
+        ValueError: stage 0, parameters not in the model, on mixed devices, or listed twice;
+            a device the process group cannot carry (a CPU model with an NCCL group), or
+            ``collectives="point_to_point"`` over NCCL (`zerolite.devices`).
         RuntimeError: the model was already sharded; ranks disagree (`RankMismatchError`).
 
     Example::
@@ -105,8 +108,13 @@ def shard(
         loss = model(x).sum(); loss.backward(); opt.step(); opt.zero_grad()
     """
     config = ZeroConfig() if config is None else config
+    pg = data_parallel_group(config)
+    # Where the flat buffers live decides where the ranks' agreement travels, so it is
+    # decided first; a group that cannot carry it is refused on every rank alike.
+    device = buffer_device(_candidate_parameters(model, optimizer), config.device, pg)
+    check_buffer_device(device, backends_of(pg), config.collectives)
     world = Group(
-        data_parallel_group(config), collectives=config.collectives, timeout_s=config.timeout_s
+        pg, collectives=config.collectives, timeout_s=config.timeout_s, device=device
     )
     plan: ShardPlan | None = None
     k: int | None = None
@@ -116,7 +124,7 @@ def shard(
             optimizer = MultiOptimizer(optimizer)
         k = shard_group_size(config, world.size)
         lines.append(f"shard_group_size: {k or world.size} of {world.size} ranks")
-        plan = plan_layout(model, optimizer, config)
+        plan = plan_layout(model, optimizer, config, device=device)
         lines += plan.describe(config, optimizer, model)
         lines += describe_quantization(config, model, plan.partition)
     group = sharding_group(world, k, config)
@@ -125,13 +133,30 @@ def shard(
     with agreed("zerolite.shard() (offload)", world):
         offload = plan_offload(cast(ShardPlan, plan), optimizer, config, group)
     digest = hashlib.sha256("\n".join(lines).encode()).hexdigest()
-    with phase_events.phase("build"):
+    with phase_events.phase("build", device):
         sharded = _build(
             model, cast(torch.optim.Optimizer, optimizer), config, group, cast(ShardPlan, plan),
             digest, offload,
         )
     phase_events.built(sharded)
     return sharded
+
+
+def _candidate_parameters(
+    model: object, optimizer: object
+) -> Iterator[torch.Tensor]:
+    """The tensors whose device the flat buffers take, before anything is validated: the
+    optimizer's trainable ones first (as `zerolite.plan` takes them), then the model's.
+    Never raises: odd input is refused later, inside the ranks' agreement."""
+    optimizers = optimizer if isinstance(optimizer, (list, tuple)) else [optimizer]
+    for opt in optimizers:
+        for group in getattr(opt, "param_groups", None) or []:
+            params = group.get("params", []) if isinstance(group, dict) else []
+            for p in params if isinstance(params, (list, tuple)) else []:
+                if isinstance(p, torch.Tensor) and p.requires_grad:
+                    yield p
+    if isinstance(model, nn.Module):
+        yield from model.parameters()
 
 
 def _build(

@@ -15,8 +15,9 @@ Requirements it meets:
   scalar state such as Adam's ``step``). A loader at any world size, stage or bucket
   size reads the ranges it owns with ``safe_open(...).get_slice``.
 - **Complete.** Rank 0's file also holds ``model/{name}``: module buffers, frozen
-  parameters and parameters outside the optimizer. Every file holds ``rng/cpu`` (and
-  ``rng/cuda``) of its rank. Stage 3 shards frozen parameters too: each rank writes its
+  parameters and parameters outside the optimizer. Every file holds ``rng/cpu`` (and, for a
+  CUDA model, ``rng/cuda``: the generator of the model's device) of its rank. Stage 3
+  shards frozen parameters too: each rank writes its
   ranges as ``frozen/{name}/{start}-{end}`` (in the parameter dtype) instead of rank 0
   writing them whole. With ``ZeroConfig.quantize_reduce``'s error feedback each file
   also holds its rank's residuals, ``residual/{name}/{start}-{end}`` (restored at the same

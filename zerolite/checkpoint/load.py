@@ -41,12 +41,12 @@ from zerolite.checkpoint.range_reader import PieceReader, RangeReader
 from zerolite.checkpoint.residuals import apply_residuals, read_residuals
 from zerolite.checkpoint.save import model_only_tensors
 from zerolite.checkpoint.schedulers import apply_schedulers, plan_schedulers, restore_schedulers
-from zerolite.collectives import all_gather_bytes
 from zerolite.consensus import agreed
 from zerolite.meta_init import mark_loaded
 from zerolite.optim.multi import class_name
 from zerolite.optim.sharded_optimizer import ShardedOptimizer, require_sharded_optimizer
 from zerolite.shard_state import Piece
+from zerolite.small_exchange import all_gather_bytes
 
 __all__ = ["load"]
 
@@ -191,7 +191,7 @@ def load(
             schedulers (number or classes) than at save.
     """
     optimizer = require_sharded_optimizer(optimizer, "zerolite.checkpoint.load()")
-    with phase_events.phase("load"):
+    with phase_events.phase("load", optimizer.group.buffer_device):
         extra = _load(Path(path), model, optimizer, schedulers)
     mark_loaded(model, None)
     return extra
@@ -325,8 +325,9 @@ def _load(
     if rng is not None:
         if same_world:
             torch.set_rng_state(rng)
-            if cuda_rng is not None and torch.cuda.is_available():
-                torch.cuda.set_rng_state(cuda_rng)  # the current device's, as saved
+            device = optimizer.group.buffer_device
+            if cuda_rng is not None and device.type == "cuda":
+                torch.cuda.set_rng_state(cuda_rng, device)  # the model's device's, as saved
         else:  # seeds CPU and every CUDA device
             torch.manual_seed(int.from_bytes(bytes(rng[:8].tolist()), "little") + group.rank)
     if optimizer.loss_scaler is not None and index.get("loss_scaler") is not None:

@@ -158,7 +158,7 @@ def load_pretrained(
             does not name for it (the map decides; a disagreeing file is an error).
     """
     opt = require_state(model, "load_pretrained()", "; call shard() first").optimizer
-    with phase_events.phase("load"):
+    with phase_events.phase("load", opt.group.buffer_device):
         _load(model, opt, files, strict)
 
 

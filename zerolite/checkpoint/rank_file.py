@@ -102,8 +102,9 @@ def rank_file(model: nn.Module, opt: ShardedOptimizer) -> RankFile:
                 )
     tensors.update(residual_tensors(opt))  # quantize_reduce's error feedback
     tensors["rng/cpu"] = torch.get_rng_state()
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        tensors["rng/cuda"] = torch.cuda.get_rng_state()
+    device = opt.group.buffer_device
+    if device.type == "cuda":  # the generator of the model's own device, not the current one
+        tensors["rng/cuda"] = torch.cuda.get_rng_state(device)
     if opt.group.rank == 0:
         for name, tensor in model_only_tensors(model, opt).items():
             tensors[model_key(name)] = tensor.detach()

@@ -31,10 +31,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from safetensors import safe_open
 
-from zerolite.collectives import _bounded_wait
+from zerolite.collectives import gather
 from zerolite.flat_buffer import FlatParamBuffer
 from zerolite.optim.sharded_optimizer import ShardedOptimizer
 
@@ -104,12 +103,7 @@ def gather_replica_residuals(opt: ShardedOptimizer) -> dict[str, torch.Tensor]:
     # Slot keys and sizes follow from the layout, the shard and the replica index only:
     # the writer lays out what replica q sent by its own _slots(opt, q).
     sent = torch.cat([view.reshape(-1) for _, view in mine])
-    received = [torch.empty_like(sent) for _ in range(replicas.size)] if q == 0 else None
-    replicas.next_sequence()
-    work = dist.gather(
-        sent, received, dst=replicas.global_rank(0), group=replicas.pg, async_op=True
-    )
-    _bounded_wait(work, replicas, "checkpoint.save() (gathering replicas' residuals)")
+    received = gather(sent, 0, replicas, what="checkpoint.save() (gathering replicas' residuals)")
     if received is None:
         return {}
     out: dict[str, torch.Tensor] = {}

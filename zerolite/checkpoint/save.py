@@ -70,10 +70,11 @@ from zerolite.checkpoint.residuals import gather_replica_residuals
 from zerolite.checkpoint.schedulers import scheduler_entries
 from zerolite.checkpoint.shard_writer import layout, shard_chunks, write_shard
 from zerolite.checkpoint.staging import staging_area
-from zerolite.collectives import Group, all_gather_bytes
+from zerolite.collectives import Group
 from zerolite.consensus import agreed
 from zerolite.optim.multi import class_name
 from zerolite.optim.sharded_optimizer import ShardedOptimizer
+from zerolite.small_exchange import all_gather_bytes
 
 # model_only_tensors and state_dict_names are imported from here by load, pretrained and
 # zerolite.full_state_dict.

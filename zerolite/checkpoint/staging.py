@@ -13,8 +13,10 @@ an asynchronous save costs one extra copy of the rank's file -- about its shard 
 and optimizer state (12 bytes per parameter with AdamW, divided by the world size) --
 held from the first asynchronous save until the optimizer is gone. A save whose layout
 differs (optimizer state that appeared after the first step) replaces it. On CUDA the
-buffer is pinned host memory, so the copy runs at full bus speed. `staging_bytes` is what
-`zerolite.memory.track` reports.
+buffer is pinned host memory of exactly its size (`zerolite.pinned`), so the copies run
+asynchronously at full bus speed; `stage` returns once the copies from every device they
+came from have landed (each device's current stream, where they were queued).
+`staging_bytes` is what `zerolite.memory.track` reports.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from collections.abc import Mapping
 import torch
 
 from zerolite.checkpoint.shard_writer import LazyTensor, Slot, as_bytes, layout
+from zerolite.pinned import host_buffer
 
 __all__ = ["StagingArea", "staging_area", "staging_bytes"]
 
@@ -40,6 +43,7 @@ class StagingArea:
     def __init__(self) -> None:
         self.buffer: torch.Tensor | None = None
         self.slots: list[Slot] = []
+        self._pinned = False  # whether ``buffer`` was allocated for device copies
         _AREAS.add(self)
 
     @property
@@ -57,11 +61,15 @@ class StagingArea:
         """Copy ``tensors`` (any device, any strides) into the buffer; on return the copy
         is complete, so the caller may change the tensors at once."""
         slots = layout(tensors)
-        on_cuda = any(isinstance(t, torch.Tensor) and t.is_cuda for t in tensors.values())
+        devices = {
+            t.device for t in tensors.values() if isinstance(t, torch.Tensor) and t.is_cuda
+        }
+        on_cuda = bool(devices)
         size = slots[-1].end if slots else 0
-        if slots != self.slots or self.buffer is None or self.buffer.is_pinned() != on_cuda:
+        if slots != self.slots or self.buffer is None or self._pinned != on_cuda:
             self.buffer = None  # free the old buffer before allocating the new one
-            self.buffer = torch.empty(size, dtype=torch.uint8, pin_memory=on_cuda)
+            self.buffer = host_buffer(size, pinned=on_cuda)
+            self._pinned = on_cuda
             self.slots = slots
         for slot in slots:
             view = self.buffer[slot.start : slot.end].view(slot.dtype).view(slot.shape)
@@ -70,8 +78,8 @@ class StagingArea:
                 source.read_into(view.reshape(-1))
             else:
                 view.copy_(source.detach(), non_blocking=on_cuda)
-        if on_cuda:
-            torch.cuda.synchronize()  # non-blocking copies from any stream have landed
+        for device in devices:  # the copies were queued on each device's current stream
+            torch.cuda.current_stream(device).synchronize()
 
 
 _AREAS: weakref.WeakSet[StagingArea] = weakref.WeakSet()

@@ -28,7 +28,10 @@ With ``ZeroConfig(offload=...)``, ``offloaded`` is the tier's bytes (per-element
 optimizer state, and 16-bit masters, of the offloaded pieces): their own line,
 "optimizer state on disk" (or "in host memory"), outside the resident fields above and
 outside ``model_states`` and ``total``. (A ``"host"`` arena of a CPU model is host
-memory all the same: the process RSS includes it.)
+memory all the same: the process RSS includes it.) Both are the bytes actually allocated:
+the arena is never pinned, and ``offload_staging`` -- the streamed step's three staging
+buffers, host memory pinned at exactly their size for a CUDA model (`zerolite.pinned`),
+allocated at the first step -- is its own line too.
 
 `footprint` counts each distinct storage once (``untyped_storage().data_ptr()``), in
 the order of the fields above: a view shares its base's storage and is not counted
@@ -65,6 +68,7 @@ class MemoryBreakdown:
     ownership_imbalance: float = 1.0  # max/min owned elements over ranks (not bytes)
     offloaded: int = 0
     offload_tier: str | None = None
+    offload_staging: int = 0  # host bytes of the streamed step's staging buffers
 
     @property
     def model_states(self) -> int:
@@ -84,6 +88,8 @@ class MemoryBreakdown:
             lines.append(f"{'imbalance':16s} {self.ownership_imbalance:>11.3f}x")
         if self.offload_tier is not None:
             lines.append(f"{offload_label(self.offload_tier)}: {_human(self.offloaded)}")
+        if self.offload_staging:
+            lines.append(f"offload staging buffers (host): {_human(self.offload_staging)}")
         return "\n".join(lines)
 
 
@@ -166,8 +172,9 @@ def footprint(opt: ShardedOptimizer) -> MemoryBreakdown:
         params=params, grads=grads, master=master, optimizer_state=state, transient=transient,
         residual=residual,
         ownership_imbalance=layout_imbalance([f.layout for f in opt.flats]),
-        offloaded=0 if tier is None else tier.layout.nbytes,
+        offloaded=0 if tier is None else tier.arena_bytes,
         offload_tier=None if tier is None else tier.layout.tier,
+        offload_staging=0 if tier is None else tier.staging_bytes,
     )
 
 

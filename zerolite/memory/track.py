@@ -11,13 +11,21 @@ optimizer watches those and attaches to the optimizer ``shard()`` returns inside
   points (module forward pre/post-hooks, gradient hooks, around ``step()``, after each
   unit of a build and after a load), i.e. bytes of parameters, gradients, masters,
   optimizer state and transient buffers zerolite knows of;
-- ``t.peaks[phase].process``: on CUDA, the allocator's peak allocated bytes during the
-  phase (``torch.cuda.max_memory_allocated``, reset at each phase change); on CPU, the
-  peak growth of the process RSS over its value when tracking began -- everything the
-  process touched, activations, file pages read and allocator caching included. On
-  Linux this is the kernel's high-water mark (``VmHWM``, reset at each phase change
-  through ``/proc/self/clear_refs``), so nothing between two samples is missed;
-  elsewhere RSS is read at the sampling points only.
+- ``t.peaks[phase].process``: what ``t.peaks[phase].kind`` says, decided when the phase
+  begins from the device of the tracked model's flat buffers (`zerolite.devices`), never
+  from whether CUDA happens to be initialised:
+
+  - ``"CUDA peak allocated"`` (a CUDA model): the most bytes allocated on the model's
+    device during the phase. The user's own peak counters are never reset: a phase that
+    sets a new high for ``torch.cuda.max_memory_allocated(device)`` reports it exactly;
+    otherwise the peak is the largest ``torch.cuda.memory_allocated(device)`` seen at the
+    sampling points;
+  - ``"RSS growth"`` (a CPU model, or before any model is attached): the peak growth of the
+    process RSS over its value when tracking began -- everything the process touched,
+    activations, file pages read and allocator caching included. On Linux this is the
+    kernel's high-water mark (``VmHWM``, reset at each phase change through
+    ``/proc/self/clear_refs``), so nothing between two samples is missed; elsewhere RSS is
+    read at the sampling points only.
 
 The staging area of asynchronous saves is host memory held between saves (one copy of
 the rank's checkpoint file): ``t.staging`` is the most seen, it counts in the
@@ -79,12 +87,18 @@ class _ResidentPeak:
         return self._proc.memory_info().rss
 
 
+RSS_GROWTH = "RSS growth"
+CUDA_PEAK = "CUDA peak allocated"
+
+
 @dataclasses.dataclass
 class PhasePeak:
-    """Peak bytes in one phase: zerolite's tensors, and the process (RSS growth or CUDA)."""
+    """Peak bytes in one phase: zerolite's tensors, and the process (``kind``: RSS growth,
+    or CUDA peak allocated on the model's device)."""
 
     zerolite: int = 0
     process: int = 0
+    kind: str = RSS_GROWTH
 
 
 class MemoryTracker:
@@ -95,7 +109,10 @@ class MemoryTracker:
         self.peaks = {phase: PhasePeak() for phase in PHASES}
         self.phase: str | None = None
         self.staging = 0  # bytes of checkpoint staging areas (host), the most seen
-        self.cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+        # The tracked model's buffer device (None until attached: RSS is measured).
+        self.device: torch.device | None = None
+        self._phase_cuda: torch.device | None = None  # the CUDA device this phase measures
+        self._cuda_high = 0  # max_memory_allocated(device) when this phase began
         self._resident = _ResidentPeak()
         self._rss0 = psutil.Process().memory_info().rss
         self._handles: list[Any] = []
@@ -106,7 +123,7 @@ class MemoryTracker:
         """Attribute ``opt``'s model's forwards and backwards and ``opt``'s steps."""
         require_sharded_optimizer(opt, "track()")
         self.opt = opt
-        self.cuda = any(f.data.device.type == "cuda" for f in opt.flats)
+        self.device = opt.group.buffer_device
         model = opt.model
         hooks = self._handles
         if model is not None:
@@ -131,14 +148,25 @@ class MemoryTracker:
         if self.opt is None:
             self.attach(opt)
 
-    def enter(self, phase: str) -> None:
+    @property
+    def cuda(self) -> bool:
+        """Whether the tracked model lives on CUDA (its phases measure CUDA memory)."""
+        return self.device is not None and self.device.type == "cuda"
+
+    def enter(self, phase: str, device: torch.device | None = None) -> None:
+        """Begin ``phase``; ``device``: the buffers' device of the model it concerns, used
+        until a model is attached (a build or load announced by zerolite)."""
         if phase == self.phase:
             return
         self.sample()
-        if self.cuda:
-            torch.cuda.reset_peak_memory_stats()
-        self._resident.reset()
+        measured = self.device if self.device is not None else device
+        self._phase_cuda = measured if measured is not None and measured.type == "cuda" else None
+        if self._phase_cuda is not None:  # the user's peak counters are left alone
+            self._cuda_high = torch.cuda.max_memory_allocated(self._phase_cuda)
+        else:
+            self._resident.reset()
         self.phase = phase
+        self.peaks[phase].kind = CUDA_PEAK if self._phase_cuda is not None else RSS_GROWTH
         self.sample()
 
     def sample(self, held_bytes: int | None = None) -> None:
@@ -152,8 +180,11 @@ class MemoryTracker:
         if self.phase == "staging":
             held_bytes = (held_bytes or 0) + staged
         peak.zerolite = max(peak.zerolite, held_bytes or 0)
-        if self.cuda:
-            peak.process = max(peak.process, torch.cuda.max_memory_allocated())
+        device = self._phase_cuda
+        if device is not None:
+            high = torch.cuda.max_memory_allocated(device)
+            now = torch.cuda.memory_allocated(device)
+            peak.process = max(peak.process, now, high if high > self._cuda_high else 0)
         else:
             peak.process = max(peak.process, self._resident.read() - self._rss0)
 
@@ -165,7 +196,7 @@ class MemoryTracker:
     def offloaded(self) -> int:
         """Bytes the attached optimizer keeps on its offload tier (0 without one)."""
         tier = None if self.opt is None else self.opt.shard_state.offload
-        return 0 if tier is None else tier.layout.nbytes
+        return 0 if tier is None else tier.arena_bytes
 
     def close(self) -> None:
         self.sample()
@@ -174,10 +205,11 @@ class MemoryTracker:
         self._handles.clear()
 
     def __str__(self) -> str:
-        kind = "CUDA peak allocated" if self.cuda else "RSS growth"
-        rows = [f"{'phase':10s} {'zerolite MB':>12s} {kind + ' MB':>24s}"]
+        rows = [f"{'phase':10s} {'zerolite MB':>12s} {'process MB':>12s}  measured as"]
         for phase, p in self.peaks.items():
-            rows.append(f"{phase:10s} {p.zerolite / 1e6:12.2f} {p.process / 1e6:24.2f}")
+            rows.append(
+                f"{phase:10s} {p.zerolite / 1e6:12.2f} {p.process / 1e6:12.2f}  {p.kind}"
+            )
         if self.staging:
             rows.append(f"checkpoint staging area (host, held between saves): "
                         f"{self.staging / 1e6:.2f} MB")

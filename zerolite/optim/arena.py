@@ -35,6 +35,7 @@ class DiskArena:
             ) from None
         finally:
             os.remove(self.path)
+        self._nbytes = nbytes
         self._finalizer = weakref.finalize(self, os.close, self.fd)
 
     def read(self, offset: int, out: torch.Tensor) -> None:
@@ -55,13 +56,26 @@ class DiskArena:
     def close(self) -> None:
         self._finalizer()
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes the arena reserved in its file (``os.posix_fallocate``)."""
+        return self._nbytes
+
 
 class HostArena:
-    """One host byte tensor (pinned for a CUDA model) holding the offloaded state."""
+    """One host byte tensor holding the offloaded state. Never pinned, for a CUDA model
+    too: only the host reads and writes it (device copies go through the streamed step's
+    pinned staging buffers, `zerolite.pinned`), and pinned memory from torch's caching
+    host allocator would reserve the next power of two above ``nbytes``."""
 
-    def __init__(self, nbytes: int, pinned: bool) -> None:
-        self.data = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
+    def __init__(self, nbytes: int) -> None:
+        self.data = torch.empty(nbytes, dtype=torch.uint8)
         self.path = None
+
+    @property
+    def nbytes(self) -> int:
+        """Host bytes the arena holds (exactly the layout's size)."""
+        return self.data.untyped_storage().nbytes()
 
     def read(self, offset: int, out: torch.Tensor) -> None:
         out.view(torch.uint8).copy_(self.data[offset : offset + out.numel() * out.itemsize])

@@ -12,9 +12,9 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.distributed as dist
 
-from zerolite.collectives import Group, all_reduce
+from zerolite.collectives import Group
+from zerolite.small_exchange import exchange_small
 
 __all__ = ["global_grad_norm", "clip_coefficient"]
 
@@ -27,7 +27,7 @@ def global_grad_norm(shards: list[torch.Tensor], norm_type: float, group: Group)
         norm_type: p > 0, or ``math.inf``.
         group: the data-parallel group; every rank must call.
     Returns:
-        0-dim fp32 tensor, the same on every rank.
+        0-dim fp32 tensor on the CPU, the same on every rank.
     """
     p = float(norm_type)
     if not (p > 0):
@@ -37,17 +37,16 @@ def global_grad_norm(shards: list[torch.Tensor], norm_type: float, group: Group)
         local = torch.zeros((), dtype=torch.float32, device=device)
         for s in shards:
             local = torch.maximum(local, s.detach().abs().max().float())
-        all_reduce(
-            local, group, dist.ReduceOp.MAX, what="clip_grad_norm_'s all-reduce of the global norm"
+        return exchange_small(
+            local, group, "max", what="clip_grad_norm_'s all-reduce of the global norm"
         )
-        return local
     local = torch.zeros((), dtype=torch.float32, device=device)
     for s in shards:
         local += torch.linalg.vector_norm(s.detach(), p, dtype=torch.float32) ** p
-    all_reduce(
-        local, group, dist.ReduceOp.SUM, what="clip_grad_norm_'s all-reduce of the global norm"
+    total = exchange_small(
+        local, group, "sum", what="clip_grad_norm_'s all-reduce of the global norm"
     )
-    return local ** (1.0 / p)
+    return total ** (1.0 / p)
 
 
 def clip_coefficient(total_norm: torch.Tensor, max_norm: float) -> torch.Tensor:

@@ -13,9 +13,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from zerolite.collectives import Group, all_reduce
+from zerolite.collectives import Group
+from zerolite.small_exchange import exchange_small
 
 __all__ = ["DynamicLossScaler"]
 
@@ -45,14 +45,15 @@ class DynamicLossScaler:
         self.good_steps = 0
 
     def found_overflow(self, shards: list[torch.Tensor], group: Group) -> bool:
-        """True on every rank if any rank's ``shards`` hold an inf or nan."""
-        device = shards[0].device if shards else torch.device("cpu")
-        flag = torch.zeros(1, dtype=torch.float32, device=device)
-        for shard in shards:
-            if not torch.isfinite(shard).all():
-                flag.fill_(1.0)
-                break
-        all_reduce(flag, group, dist.ReduceOp.MAX, what="step()'s fp16 overflow check")
+        """True on every rank if any rank's ``shards`` hold an inf or nan.
+
+        One host sync per call, not one per shard: the per-shard checks stay on the
+        shards' device and only the combined flag is read (`exchange_small`)."""
+        flag = torch.zeros(1, dtype=torch.float32)
+        if shards:
+            bad = torch.stack([(~torch.isfinite(shard)).any() for shard in shards]).any()
+            flag = bad.to(torch.float32).reshape(1)
+        flag = exchange_small(flag, group, "max", what="step()'s fp16 overflow check")
         return bool(flag.item())
 
     def update(self, overflow: bool) -> None:

@@ -8,7 +8,10 @@ keeps per element) and, for 16-bit parameters, their fp32 master in an *arena*:
 - ``"disk"``: one preallocated file per rank and model under ``offload_dir``, read and
   written with ``pread``/``pwrite`` (the page cache is the kernel's, not the process's),
   unlinked once reserved so that no exit, however abrupt, leaves it behind;
-- ``"host"``: one host tensor, pinned when the model is on CUDA.
+- ``"host"``: one host tensor (never pinned: only the host touches it).
+
+For a CUDA model the streamed step's three staging buffers are pinned, at exactly their
+size (`zerolite.pinned`), so its device copies are asynchronous.
 
 What stays resident: scalar state (a piece's ``step``) in ``optimizer.state``, fp32
 masters that are the parameters themselves, and, in 16-bit, a meta placeholder for each
@@ -36,6 +39,7 @@ import torch
 from zerolite.config import ZeroConfig
 from zerolite.layout import FlatLayout
 from zerolite.optim.arena import DiskArena, HostArena
+from zerolite.pinned import host_buffer, pinning_available
 
 if TYPE_CHECKING:
     from zerolite.collectives import Group
@@ -183,7 +187,8 @@ def offload_layout(
 def check_offload(layout: OffloadLayout, config: ZeroConfig, device: torch.device) -> None:
     """Raise ValueError if the tier cannot hold ``layout`` (run by `shard()` before it
     changes anything): a missing or unwritable directory, too little free space for the
-    exact byte count, or ``"host"`` for a CUDA model without pinned memory."""
+    exact byte count, or ``"host"`` for a CUDA model on a system that cannot pin memory
+    (its staging buffers need it)."""
     if layout.tier == "disk":
         where = config.offload_dir
         if where is None or not os.path.isdir(where):
@@ -206,21 +211,12 @@ def check_offload(layout: OffloadLayout, config: ZeroConfig, device: torch.devic
                 f"rank's optimizer state needs {layout.nbytes} bytes. Free space, pick another "
                 "directory or lower offload_fraction"
             )
-    elif device.type == "cuda" and not pinned_memory_available():
+    elif device.type == "cuda" and not pinning_available():
         raise ValueError(
-            "ZeroConfig.offload: 'host' needs pinned host memory for a CUDA model, and this "
-            "system cannot pin memory; use offload='disk' or offload=None"
+            "ZeroConfig.offload: 'host' needs pinned host memory for a CUDA model (the "
+            "streamed step's staging buffers), and this system cannot pin memory; use "
+            "offload='disk' or offload=None"
         )
-
-
-def pinned_memory_available() -> bool:
-    """Whether host memory can be pinned here (CUDA present and a pin succeeds)."""
-    if not torch.cuda.is_available():
-        return False
-    try:
-        return torch.empty(1, pin_memory=True).is_pinned()
-    except RuntimeError:
-        return False
 
 
 def _shutdown(threads: tuple[ThreadPoolExecutor, ...]) -> None:
@@ -237,7 +233,7 @@ class OffloadTier:
     Args:
         layout: from `offload_layout` (already checked by `check_offload`).
         config: the model's config (``offload_dir``).
-        device: the model's device (``"host"`` pins for CUDA).
+        device: the model's device (its staging buffers are pinned for CUDA).
         rank: this rank (in the file name).
     """
 
@@ -249,7 +245,7 @@ class OffloadTier:
         self.arena: DiskArena | HostArena = (
             DiskArena(str(config.offload_dir), layout.nbytes, rank)
             if layout.tier == "disk"
-            else HostArena(layout.nbytes, pinned=device.type == "cuda")
+            else HostArena(layout.nbytes)
         )
         # Bytes the streamed step moves at once (tests lower it to split pieces).
         self.chunk_bytes = chunk_bytes_for(layout.nbytes)
@@ -271,14 +267,25 @@ class OffloadTier:
     def threads(self) -> tuple[ThreadPoolExecutor, ThreadPoolExecutor]:
         """The (reader, writer) threads; also allocates the staging buffers."""
         if self._threads is None:
-            pinned = self.device.type == "cuda"
-            self.staging = [
-                torch.empty(self.chunk_bytes, dtype=torch.uint8, pin_memory=pinned)
-                for _ in range(3)
-            ]
+            self.staging = [self.staging_buffer(self.chunk_bytes) for _ in range(3)]
             self._threads = (ThreadPoolExecutor(1), ThreadPoolExecutor(1))
             weakref.finalize(self, _shutdown, self._threads)
         return self._threads
+
+    def staging_buffer(self, nbytes: int) -> torch.Tensor:
+        """A staging buffer of exactly ``nbytes``: pinned for a CUDA model (`zerolite.pinned`)."""
+        return host_buffer(nbytes, pinned=self.device.type == "cuda")
+
+    @property
+    def arena_bytes(self) -> int:
+        """Bytes the arena holds, as allocated (the host tensor, or the file's reservation)."""
+        return self.arena.nbytes
+
+    @property
+    def staging_bytes(self) -> int:
+        """Host bytes of the streamed step's staging buffers, as allocated (0 before the
+        first step; pinned for a CUDA model)."""
+        return sum(t.untyped_storage().nbytes() for t in self.staging)
 
     def field_dtype(self, slot: int, field: str) -> torch.dtype:
         return self._field(slot, field)[0]

@@ -18,6 +18,7 @@ holding them keep working), with ``"params"`` re-pointed at master pieces.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -245,7 +246,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         gradients to zero (what loss scaling exists to prevent)."""
         grad = shard if shard.dtype == torch.float32 else shard.float()
         if self.loss_scaler is not None or self._clipped:
-            grad.mul_(self._grad_factor.to(grad.device))
+            grad.mul_(self._grad_factor)  # a CPU scalar: no copy to the device, no sync
         return grad
 
     def _grad_shards(self) -> list[torch.Tensor]:
@@ -296,6 +297,37 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._grad_factor = self._grad_factor * clip_coefficient(total, max_norm)
         self._clipped = True
         return total
+
+    @torch.no_grad()
+    def clip_grad_value_(self, clip_value: float) -> None:
+        """Clamp every gradient element to ``[-clip_value, clip_value]``; all ranks must call.
+
+        Call after backward and before `step`. Equivalent to
+        ``torch.nn.utils.clip_grad_value_`` on the unsharded model's reduced gradients
+        (under sharding ``param.grad`` holds local, unreduced gradients, or nothing). With
+        fp16 loss scaling the bound applies to the unscaled gradients, and after an
+        overflow nothing is clamped (the step will be skipped). Elementwise: no
+        communication beyond the gradient reduction the step needs anyway.
+
+        Args:
+            clip_value: the largest allowed magnitude, a finite number >= 0.
+        Raises:
+            ValueError: ``clip_value`` is negative, infinite or not a number.
+        """
+        value = float(clip_value)
+        if not (math.isfinite(value) and value >= 0):
+            raise ValueError(
+                f"clip_grad_value_(): clip_value must be a finite number >= 0, got {clip_value!r}"
+            )
+        self._prepare_gradients()
+        factor = float(self._grad_factor)  # a CPU scalar: no sync
+        if self._overflow or factor == 0.0:  # skipped, or every gradient is scaled to 0
+            return
+        # The shards still carry the pending factor (the loss scale, a norm clip): bound
+        # them in their own units, so the bound holds once the factor is applied.
+        bound = value / factor
+        for shard in self._grad_shards():
+            shard.clamp_(-bound, bound)
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's shard: optimizer state and hyperparameters, fp32 masters, loss scale.

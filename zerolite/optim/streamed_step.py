@@ -14,6 +14,15 @@ segment's state (its per-element slices and a copy of the piece's scalars), and
 ``optimizer.step()`` runs the same elementwise update it runs in memory -- so results
 are bitwise those of the in-memory step. A piece's ``step`` counter is shared by its
 segments: each starts from the piece's value, and the piece keeps the result.
+
+[Note: streamed step on CUDA] No copy blocks the host. A chunk's values go to the device
+with non-blocking copies from its (pinned) staging buffer, step there, and come back with
+non-blocking copies into the same staging buffer; one CUDA event, recorded after those
+copies on the device's current stream, is the staging buffer's: the writer thread waits on
+it before storing the chunk, and the buffer is reloaded only after that store. So the main
+thread queues chunk after chunk while the reader, the device and the writer work, and no
+chunk waits for unrelated GPU work. On the CPU the staging buffers are stepped in place,
+as before, and no event exists.
 """
 
 from __future__ import annotations
@@ -48,6 +57,11 @@ class _Segment:
     scalars: dict[str, Any]
     values: torch.Tensor | None = None  # fp32 master segment (the tensor that steps)
     state: dict[str, Any] | None = None
+    # Views of the staging buffer per field: where values were read, and (CUDA) where the
+    # stepped values come back to be stored.
+    host: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
+    # What the writer stores, per field (host tensors).
+    outgoing: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
 
 
 def stream_step(
@@ -75,10 +89,10 @@ def stream_step(
             if i + 1 < len(chunks):
                 # Staging buffer (i + 1) % 3 last held chunk i - 2, whose write is done.
                 loading = reader.submit(_load, tier, chunks[i + 1], (i + 1) % len(tier.staging))
-            _step_chunk(tier, chunk, optimizer)
+            copied = _step_chunk(tier, chunk, optimizer)
             if writing is not None:
                 writing.result()
-            writing = writer.submit(_store, tier, chunk)
+            writing = writer.submit(_store, tier, chunk, copied)
     finally:
         for pending in (loading, writing):
             if pending is not None:
@@ -136,42 +150,54 @@ def _copy(scalars: dict[str, Any]) -> dict[str, Any]:
     return {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in scalars.items()}
 
 
+def _fields(tier: OffloadTier, seg: _Segment) -> list[str]:
+    """The fields a segment needs staging room for: those read from the tier (the master
+    when offloaded, the state once initialised) and, for a CUDA model, every field the
+    stepped values come back into ([Note: streamed step on CUDA])."""
+    names = [MASTER] if tier.has_master(seg.slot) else []
+    if seg.initialized or tier.device.type == "cuda":
+        names += tier.state_keys(seg.slot)
+    return names
+
+
 def _load(tier: OffloadTier, chunk: list[_Segment], buffer: int) -> list[_Segment]:
     """Reader thread: the segments' masters (when offloaded) and per-element state, read
     into views of staging buffer ``buffer`` (reused every step: no allocation, so nothing
     for the allocator to keep)."""
     need = 0
     for seg in chunk:
-        names = [MASTER] if tier.has_master(seg.slot) else []
-        names += tier.state_keys(seg.slot) if seg.initialized else []
         need += sum(_ALIGN + (seg.hi - seg.lo) * tier.field_dtype(seg.slot, n).itemsize
-                    for n in names)
+                    for n in _fields(tier, seg))
     staging = tier.staging[buffer]
     if staging.numel() < need:  # many tiny segments: their alignment overran chunk_bytes
-        staging = tier.staging[buffer] = torch.empty(need, dtype=torch.uint8)
+        staging = tier.staging[buffer] = tier.staging_buffer(need)
     offset = 0
-
-    def read(seg: _Segment, name: str) -> torch.Tensor:
-        nonlocal offset
-        dtype = tier.field_dtype(seg.slot, name)
-        offset = -(-offset // _ALIGN) * _ALIGN
-        nbytes = (seg.hi - seg.lo) * dtype.itemsize
-        out = staging[offset : offset + nbytes].view(dtype)
-        offset += nbytes
-        tier.read_into(seg.slot, name, seg.lo, out)
-        return out
-
+    for seg in chunk:
+        seg.host = {}
+        for name in _fields(tier, seg):
+            dtype = tier.field_dtype(seg.slot, name)
+            offset = -(-offset // _ALIGN) * _ALIGN
+            nbytes = (seg.hi - seg.lo) * dtype.itemsize
+            seg.host[name] = staging[offset : offset + nbytes].view(dtype)
+            offset += nbytes
     for seg in chunk:
         if tier.has_master(seg.slot):
-            seg.values = read(seg, MASTER)
-        seg.state = (
-            {key: read(seg, key) for key in tier.state_keys(seg.slot)} if seg.initialized else {}
-        )
+            seg.values = seg.host[MASTER]
+            tier.read_into(seg.slot, MASTER, seg.lo, seg.values)
+        seg.state = {}
+        if seg.initialized:
+            for key in tier.state_keys(seg.slot):
+                seg.state[key] = seg.host[key]
+                tier.read_into(seg.slot, key, seg.lo, seg.state[key])
     return chunk
 
 
-def _step_chunk(tier: OffloadTier, chunk: list[_Segment], optimizer: torch.optim.Optimizer) -> None:
-    """Main thread: one ``optimizer.step()`` over the chunk's segments."""
+def _step_chunk(
+    tier: OffloadTier, chunk: list[_Segment], optimizer: torch.optim.Optimizer
+) -> torch.cuda.Event | None:
+    """Main thread: one ``optimizer.step()`` over the chunk's segments; sets each segment's
+    ``outgoing``. Returns, for a CUDA model, the event after which the stepped values have
+    landed in the chunk's staging buffer ([Note: streamed step on CUDA]); else None."""
     groups: list[list[torch.Tensor]] = [[] for _ in optimizer.param_groups]
     device = tier.device
     for seg in chunk:
@@ -179,11 +205,13 @@ def _step_chunk(tier: OffloadTier, chunk: list[_Segment], optimizer: torch.optim
         if seg.values is None:  # fp32: the master is the parameter shard; step it in place
             seg.values = master.pieces[seg.position][seg.lo : seg.hi]
         elif seg.values.device != device:
-            seg.values = seg.values.to(device)
+            seg.values = seg.values.to(device, non_blocking=True)
         assert master.grad_shard is not None and seg.state is not None
         start = piece.shard_start
         seg.values.grad = master.grad_shard[start + seg.lo : start + seg.hi]
-        seg.state = {**seg.scalars, **{k: v.to(device) for k, v in seg.state.items()}}
+        seg.state = {
+            **seg.scalars, **{k: v.to(device, non_blocking=True) for k, v in seg.state.items()}
+        }
         groups[seg.group].append(seg.values)
     saved = [group["params"] for group in optimizer.param_groups]
     try:
@@ -220,14 +248,24 @@ def _step_chunk(tier: OffloadTier, chunk: list[_Segment], optimizer: torch.optim
         if tier.has_master(seg.slot):  # cast down into the parameter shard, as write_back
             start = piece.shard_start
             master.flat.shard[start + seg.lo : start + seg.hi].copy_(seg.values)
+        seg.outgoing = {MASTER: seg.values} if tier.has_master(seg.slot) else {}
+        seg.outgoing.update((k, seg.state[k]) for k in keys if k in seg.state)
+    if device.type != "cuda":
+        return None
+    for seg in chunk:  # back into the staging buffer, without blocking the host
+        for name, value in seg.outgoing.items():
+            seg.host[name].copy_(value, non_blocking=True)
+        seg.outgoing = {name: seg.host[name] for name in seg.outgoing}
+    copied = torch.cuda.Event()
+    copied.record(torch.cuda.current_stream(device))
+    return copied
 
 
-def _store(tier: OffloadTier, chunk: list[_Segment]) -> None:
-    """Writer thread: the stepped masters (when offloaded) and per-element state."""
+def _store(tier: OffloadTier, chunk: list[_Segment], copied: torch.cuda.Event | None) -> None:
+    """Writer thread: the stepped masters (when offloaded) and per-element state, once
+    ``copied`` (CUDA) says they are in host memory."""
+    if copied is not None:
+        copied.synchronize()
     for seg in chunk:
-        assert seg.values is not None and seg.state is not None
-        if tier.has_master(seg.slot):
-            tier.write(seg.slot, MASTER, seg.lo, seg.values)
-        for key in tier.state_keys(seg.slot):
-            if key in seg.state:
-                tier.write(seg.slot, key, seg.lo, seg.state[key])
+        for name, value in seg.outgoing.items():
+            tier.write(seg.slot, name, seg.lo, value)
