@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from typing_extensions import Self
 
-__all__ = ["CommSpy", "link_bytes", "link_elements", "peers"]
+__all__ = ["CommSpy", "exchanges", "link_bytes", "link_elements", "peers"]
 
 _SPIED = (
     "isend", "irecv", "send", "recv", "batch_isend_irecv",
@@ -72,6 +72,31 @@ def _by_link(events, node_size: int, field: int) -> dict[str, float]:
             else:
                 out["across" if {p // node_size for p in ranks} != {node} else "within"] += sent
     return out
+
+
+def exchanges(events, node_size: int) -> dict[str, dict]:
+    """What this rank sent, by ``"caller/link"`` (``link`` is ``within`` or ``across`` nodes of
+    ``node_size`` consecutive global ranks): ``{"bytes": bytes on the wire, "dtypes": sorted
+    dtype names}``. ``caller`` is `CommSpy`'s (zerolite's own all-reduces are ``all_reduce``,
+    a test's are named by the test's function). Point-to-point sends count by their peer's
+    node; float all-reduces of more than one rank count their tensor's bytes once, by whether
+    their group spans nodes (integer all-reduces are control flags and are left out). With
+    ``node_size`` = the world size everything is ``within``."""
+    me = dist.get_rank() // node_size
+    out: dict[str, dict] = {}
+    for name, _, caller, _, ranks, dtype, nbytes in events:
+        if name == "isend" and ranks:
+            link = "within" if ranks[0] // node_size == me else "across"
+        elif name == "all_reduce" and len(ranks) > 1 and dtype is not None and (
+            dtype.is_floating_point
+        ):
+            link = "within" if {p // node_size for p in ranks} == {me} else "across"
+        else:
+            continue
+        entry = out.setdefault(f"{caller}/{link}", {"bytes": 0, "dtypes": set()})
+        entry["bytes"] += nbytes
+        entry["dtypes"].add(str(dtype).removeprefix("torch."))
+    return {k: {"bytes": v["bytes"], "dtypes": sorted(v["dtypes"])} for k, v in out.items()}
 
 
 def _origin(frame) -> str:

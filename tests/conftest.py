@@ -21,10 +21,10 @@ if str(ROOT) not in sys.path:
 # `make test-kernels` runs them under each kernel family.
 NUMERICS = {
     "test_accelerate", "test_accumulation", "test_activation_checkpointing",
-    "test_assigned_gradients", "test_bf16", "test_checkpoint", "test_clipping", "test_compile",
-    "test_edge_parameters", "test_error_feedback", "test_feature_combinations",
+    "test_assigned_gradients", "test_bf16", "test_checkpoint", "test_clip_value", "test_clipping",
+    "test_compile", "test_edge_parameters", "test_error_feedback", "test_feature_combinations",
     "test_fp16_loss_scaling", "test_hf_trainer", "test_hybrid", "test_lr_scheduler",
-    "test_meta_init", "test_offload", "test_parity", "test_quantize",
+    "test_meta_init", "test_more_optimizers", "test_offload", "test_parity", "test_quantize",
     "test_quantized_collectives", "test_quantized_hybrid", "test_read_after_step",
     "test_stage3", "test_stage3_hf", "test_stage3_loops", "test_tensor_checkpoint",
     "test_tensor_ownership", "test_transformers_matrix", "test_unused_parameters",

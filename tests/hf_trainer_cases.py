@@ -87,9 +87,28 @@ def make_args(out: str | os.PathLike, **overrides: Any) -> Any:
     return TrainingArguments(**settings)
 
 
-def steps(trainer: Any) -> list[tuple[float, float]]:
-    """``(loss, grad_norm)`` of every logged training step."""
-    return [(e["loss"], e["grad_norm"]) for e in trainer.state.log_history if "grad_norm" in e]
+def steps(trainer: Any) -> list[tuple[int, float, float]]:
+    """``(step, loss, grad_norm)`` of every training step in the log history (a resumed run's
+    history begins with the steps ``trainer_state.json`` brought back: see `Logged`)."""
+    return [(e["step"], e["loss"], e["grad_norm"])
+            for e in trainer.state.log_history if "grad_norm" in e]
+
+
+def logged() -> Any:
+    """A callback recording ``(step, loss, grad_norm)`` of each training step this process
+    logs itself (``on_log``), unlike `steps`, which also returns what a resume reloaded."""
+    from transformers import TrainerCallback
+
+    class Logged(TrainerCallback):
+        def __init__(self) -> None:
+            self.steps: list[tuple[int, float, float]] = []
+
+        def on_log(self, args: Any, state: Any, control: Any, logs: Any = None,
+                   **kwargs: Any) -> None:
+            if logs and "grad_norm" in logs:
+                self.steps.append((state.global_step, logs["loss"], logs["grad_norm"]))
+
+    return Logged()
 
 
 # ---- the cases run by tests/test_hf_trainer.py ------------------------------------------
@@ -181,8 +200,9 @@ def parity_and_checkpoints(out: str) -> dict[str, Any]:
     results["checkpoint_files"] = sorted(p.name for p in checkpoint.iterdir())
     for name, stage in (("resume_s2", 2), ("resume_s3", 3)):
         trainer = _trainer(root / name, stage, model=make_model(seed=7))
+        trainer.add_callback(recorder := logged())
         trainer.train(resume_from_checkpoint=str(checkpoint))
-        results[name] = {"steps": steps(trainer), "state": _gathered(trainer)}
+        results[name] = {"steps": recorder.steps, "state": _gathered(trainer)}
     # resume_from_checkpoint=True finds the newest checkpoint-N in output_dir.
     if dist.get_rank() == 0:
         import shutil
@@ -190,8 +210,9 @@ def parity_and_checkpoints(out: str) -> dict[str, Any]:
         shutil.copytree(checkpoint, root / "resume_true" / "checkpoint-3")
     dist.barrier()
     trainer = _mixin_trainer(root / "resume_true", model=make_model(seed=7))
+    trainer.add_callback(recorder := logged())
     trainer.train(resume_from_checkpoint=True)
-    results["resume_true"] = {"steps": steps(trainer), "custom_loss_calls": trainer.calls}
+    results["resume_true"] = {"steps": recorder.steps, "custom_loss_calls": trainer.calls}
     for reentrant in (False, True):
         trainer = _trainer(
             root / f"gc-{reentrant}",
@@ -263,7 +284,8 @@ def _bf16(out: Path) -> dict[str, Any]:
         "stage": trainer.zero_config.stage,
         "param_dtypes": sorted({str(p.dtype) for p in trainer.model.parameters()}),
         "master_dtypes": sorted({str(p.dtype) for g in opt.param_groups for p in g["params"]}),
-        "finite": all(torch.isfinite(torch.tensor(s)).all().item() for s in steps(trainer)),
+        "finite": bool(steps(trainer)) and all(
+            torch.isfinite(torch.tensor(s[1:])).all().item() for s in steps(trainer)),
     }
 
 
@@ -322,8 +344,9 @@ def resume_one_rank(out: str) -> dict[str, Any]:
     """Resume the 2-rank stage-2 checkpoint-3 on this single rank, same global batch."""
     _warm()
     trainer = _trainer(Path(out) / "resume_1rank", 2, model=make_model(seed=7))
+    trainer.add_callback(recorder := logged())
     trainer.train(resume_from_checkpoint=str(Path(out) / "s2" / "checkpoint-3"))
-    return {"steps": steps(trainer), "state": _gathered(trainer)}
+    return {"steps": recorder.steps, "state": _gathered(trainer)}
 
 
 def bad_arguments(out: str) -> dict[str, str]:
@@ -337,6 +360,9 @@ def bad_arguments(out: str) -> dict[str, str]:
         "torch_compile": ({"torch_compile": True}, None),
         "auto_find_batch_size": ({"auto_find_batch_size": True}, None),
         "bf16_full_eval": ({"bf16_full_eval": True}, None),
+        "fp16_full_eval": ({"fp16_full_eval": True}, None),
+        "parallelism_config": ({}, None),
+        "device_map": ({}, None),
         "contradiction": ({"bf16": True}, zerolite.ZeroConfig(param_dtype=torch.float16)),
         "optim": ({"optim": "adafactor"}, None),
         "fp16_cpu": ({"fp16": True}, None),
@@ -349,6 +375,14 @@ def bad_arguments(out: str) -> dict[str, str]:
             model = make_model()
             if name == "user_optimizer":
                 overrides = {"optimizers": (torch.optim.Adafactor(model.parameters()), None)}
+            if name == "parallelism_config":
+                from accelerate import ParallelismConfig
+
+                overrides = {"parallelism_config": ParallelismConfig()}
+            if name == "device_map":
+                # What from_pretrained(device_map=...) leaves on a model spread over two GPUs
+                # (none here: the attribute is what Trainer reads).
+                model.hf_device_map = {"model.embed_tokens": 0, "model.layers": 1, "lm_head": 1}
             optimizers = overrides.pop("optimizers", (None, None))
             args = make_args(Path(out) / name, **overrides)
             if name == "deepspeed":  # the package is absent here: TrainingArguments refuses a path

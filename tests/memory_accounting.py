@@ -4,12 +4,15 @@
 - `tensor_census`: the bytes of every live tensor of the process, found through the
   garbage collector whoever holds it (`settled_census`, `census_vs_footprint`);
 - `fields`, `scalar_state_bytes`: footprint's fields as a dict, and the 0-dim ``step``
-  tensors formula() does not count.
+  tensors formula() does not count;
+- `tier_bytes_held`: what an offload tier holds, measured where it lives (the kernel's size
+  of the disk tier's file, the host tier's storage), not read from its layout.
 """
 
 from __future__ import annotations
 
 import gc
+import os
 import time
 
 import torch
@@ -124,3 +127,27 @@ def census_vs_footprint(opt, exclude: set[tuple[str, int]]) -> dict:
     return {"census": census, "footprint": fields(footprint(opt)),
             "missed": sorted(missed.values()),
             "missed_summary": f"{len(missed)} storages of {kinds}"}
+
+
+def tier_bytes_held(model) -> int:
+    """Bytes the offload tier of ``model`` holds, or 0 without one: for ``"disk"``, the size
+    the kernel reports for the (unlinked) file through this process's open descriptor of it,
+    found in ``/proc/self/fd``; for ``"host"``, the bytes of the arena tensor's storage."""
+    from zerolite.shard_state import state_of
+
+    tier = state_of(model).offload
+    if tier is None:
+        return 0
+    if tier.path is None:
+        return tier.arena.data.untyped_storage().nbytes()
+    sizes = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target in (tier.path, f"{tier.path} (deleted)"):
+            sizes.append(os.fstat(int(fd)).st_size)
+    if len(sizes) != 1:
+        raise AssertionError(f"{len(sizes)} open descriptors of {tier.path}, expected 1")
+    return sizes[0]

@@ -6,11 +6,13 @@ writes their full parameters (safetensors) and per-rank info (JSON).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -186,25 +188,32 @@ def test_bf16_mixed_precision_means_bf16_params_and_fp32_masters(runs):
     assert all(d <= 2e-2 for d in vs_fp32), vs_fp32  # NaN fails
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+@contextlib.contextmanager
+def _held_port() -> Iterator[int]:
+    """A loopback port bound (not listening) by this process for the whole block, so no other
+    process can be given it meanwhile; SO_REUSEADDR lets the launched rendezvous store bind
+    and listen on it too (torch's TCPStore sets SO_REUSEADDR; two sockets may share a port
+    when both do and at most one listens). No window between choosing the port and using it,
+    and no retry."""
+    with socket.socket() as held:
+        held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        held.bind(("127.0.0.1", 0))
+        yield held.getsockname()[1]
 
 
 def test_two_launches_as_two_nodes_match_one_launch(runs, tmp_path):
-    port = _free_port()
     config = ROOT / "examples" / "accelerate" / "multi_node.yaml"
-    procs = [
-        _launch(tmp_path, "stage2", config=config, background=True, extra_args=(
-            "--num_machines", "2", "--num_processes", "2", "--machine_rank", str(rank),
-            "--main_process_ip", "127.0.0.1", "--main_process_port", str(port),
-            "--mixed_precision", "no"))
-        for rank in (0, 1)
-    ]
-    for proc in procs:
-        output, _ = proc.communicate(timeout=300)
-        assert proc.returncode == 0, output[-5000:]
+    with _held_port() as port:
+        procs = [
+            _launch(tmp_path, "stage2", config=config, background=True, extra_args=(
+                "--num_machines", "2", "--num_processes", "2", "--machine_rank", str(rank),
+                "--main_process_ip", "127.0.0.1", "--main_process_port", str(port),
+                "--mixed_precision", "no"))
+            for rank in (0, 1)
+        ]
+        for proc in procs:
+            output, _ = proc.communicate(timeout=300)
+            assert proc.returncode == 0, output[-5000:]
     two_nodes, _ = _result(tmp_path, "stage2")
     one_launch, _ = _result(runs, "stage2")
     for k in one_launch:
@@ -238,3 +247,74 @@ def test_example_resumes_only_its_own_run_and_says_which_checkpoint(tmp_path):
     resumed = example("--steps", "3", "--resume")
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     assert f"resumed from {out / 'checkpoints' / 'checkpoint_0'} at step 2" in resumed.stdout
+
+
+MAX_NORM = 0.05  # below the tiny GPT's gradient norms: clipping acts on every step
+
+
+def _setup_rank(root: str) -> dict:
+    """`zerolite.accelerate.setup` on a stock Accelerator (no launcher: run_ranks' group, as
+    Accelerate finds it with ACCELERATE_USE_CPU=1) against `zerolite.shard` driven directly:
+    the same loop through the accelerator's backward / clip_grad_norm_, and save_state /
+    load_state."""
+    os.environ["ACCELERATE_USE_CPU"] = "1"
+    from accelerate import Accelerator
+
+    from tests.test_checkpoint import differences, pieces
+    from zerolite.accelerate import setup
+
+    data = parity.batches(cases.STEPS)
+    accelerator = Accelerator()
+    model = parity.make_model()
+    prepared, opt = setup(accelerator, model, parity.make_optimizer("AdamW", model),
+                          zerolite.ZeroConfig(stage=2))
+    norms = []
+    for x, y in data[:3]:
+        accelerator.backward(prepared(parity.local_slice(x), parity.local_slice(y)))
+        norms.append(float(accelerator.clip_grad_norm_(prepared.parameters(), MAX_NORM)))
+        opt.step()
+        opt.zero_grad()
+    state = {k: v.clone() for k, v in accelerator.get_state_dict(prepared).items()}
+    folder = str(Path(root) / "setup")
+    accelerator.save_state(folder)
+    at_save = pieces(opt.optimizer)
+    x, y = data[3]
+    accelerator.backward(prepared(parity.local_slice(x), parity.local_slice(y)))
+    opt.step()
+    opt.zero_grad()
+    moved = bool(differences(pieces(opt.optimizer), at_save))
+    accelerator.load_state(folder)
+    # zerolite.shard driven directly, torch-style loop with zerolite's global-norm clipping.
+    direct = parity.make_model()
+    direct_opt = zerolite.shard(direct, parity.make_optimizer("AdamW", direct),
+                                zerolite.ZeroConfig(stage=2))
+    direct_norms = []
+    for x, y in data[:3]:
+        direct(parity.local_slice(x), parity.local_slice(y)).backward()
+        direct_norms.append(float(direct_opt.clip_grad_norm_(MAX_NORM)))
+        direct_opt.step()
+        direct_opt.zero_grad()
+    expected = zerolite.full_state_dict(direct, rank0_only=False)
+    return {
+        "unwrapped": prepared is model and not isinstance(
+            prepared, torch.nn.parallel.DistributedDataParallel),
+        "norms": (norms, direct_norms),
+        "state_equal": dist.get_rank() != 0 or (
+            state.keys() == expected.keys()
+            and all(torch.equal(state[k], v) for k, v in expected.items())),
+        "moved": moved,
+        "restored": differences(pieces(opt.optimizer), at_save),
+    }
+
+
+def test_setup_patches_a_stock_accelerator(tmp_path):
+    """setup(): the model sharded in place, never DDP-wrapped; accelerator.backward and
+    clip_grad_norm_ (the global norm, clipping on every step) train bitwise as zerolite.shard
+    driven directly; get_state_dict gives the full parameters; save_state / load_state
+    restore this rank's shard after a later step."""
+    for rank, out in enumerate(run_ranks(_setup_rank, 2, str(tmp_path), timeout=120)):
+        assert out["unwrapped"], rank
+        norms, direct = out["norms"]
+        assert norms == direct and all(n > MAX_NORM for n in norms), (rank, norms, direct)
+        assert out["state_equal"], rank
+        assert out["moved"] and not out["restored"], (rank, out["restored"][:8])

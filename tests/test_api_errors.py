@@ -6,6 +6,7 @@ guessed answer from inside zerolite (the sweep of obscure errors in the reliabil
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 
 import zerolite
@@ -90,6 +91,8 @@ def _distributed_cases():
     ):
         with pytest.raises(ValueError, match=named):
             opt.load_state_dict(broken)
+    _other_ranks_state_dict_refused(opt, saved)
+    _offloaded_state_dict_refused()
     # A full state dict into a stage-3 model: refused outside gathered_parameters, kept inside.
     replacement = _model(seed=1).state_dict()
     with pytest.raises(
@@ -105,6 +108,51 @@ def _distributed_cases():
     model(torch.ones(2, 4)).sum().backward()
     opt.step()  # the masters took the loaded values too: the step runs from them
     return "ok"
+
+
+def _masters(opt) -> list[torch.Tensor]:
+    return [m.data.clone() for m in opt.masters]
+
+
+def _other_ranks_state_dict_refused(opt, saved: dict) -> None:
+    """Every rank loading its peer's dict is refused, naming both ranks; so is one rank alone
+    loading its peer's (the other, loading its own, is refused too: the ranks agree before
+    anything changes). The masters stay as they were."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    dicts: list = [None] * world
+    dist.all_gather_object(dicts, saved)
+    other = dicts[(rank + 1) % world]
+    before = _masters(opt)
+    with pytest.raises(
+        ValueError,
+        match=rf"this state dict holds rank {(rank + 1) % world}/{world}'s shard but is being "
+              rf"loaded on rank {rank}/{world}",
+    ):
+        opt.load_state_dict(other)
+    alone = other if rank == 1 else saved  # rank 1 alone loads its peer's
+    with pytest.raises((ValueError, zerolite.RankMismatchError), match=r"rank 0/2's shard"):
+        opt.load_state_dict(alone)
+    assert all(torch.equal(a, b) for a, b in zip(before, _masters(opt)))
+    opt.load_state_dict(saved)  # its own: accepted
+    assert all(torch.equal(a, b) for a, b in zip(before, _masters(opt)))
+
+
+def _offloaded_state_dict_refused() -> None:
+    """An offloaded model's in-memory state_dict() and load_state_dict() are refused, naming
+    the checkpoint API that reads the tier."""
+    model = _model()
+    opt = zerolite.shard(model, torch.optim.AdamW(model.parameters()),
+                         zerolite.ZeroConfig(stage=2, offload="host"))
+    model(torch.ones(2, 4)).sum().backward()
+    opt.step()
+    with pytest.raises(RuntimeError, match=r"^state_dict\(\) holds the whole state in memory, "
+                       r"and this model offloads it \(ZeroConfig.offload\): save with "
+                       r"zerolite.checkpoint.save"):
+        opt.state_dict()
+    with pytest.raises(RuntimeError, match=r"load_state_dict\(\) is for in-memory state, and this "
+                       r"model offloads it \(ZeroConfig.offload\): load with "
+                       r"zerolite.checkpoint.load"):
+        opt.load_state_dict({})
 
 
 def _all_cases():

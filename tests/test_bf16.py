@@ -1,12 +1,14 @@
 """bf16 training: bf16 parameters, fp32 masters, against a hand-written recipe.
 
-On real gloo groups (world sizes 2 and 4), stages 1 and 2, one launch per world size (a
+On real gloo groups (world sizes 2 and 4), stages 1, 2 and 3, one launch per world size (a
 module-scoped fixture); the ranks return raw measurements and the assertions run here.
 
 - The model's parameters are bf16, the optimizer steps fp32 masters, and the parameters
   take 2 bytes per element plus padding (`zerolite.memory.footprint`).
 - 10 AdamW steps match the same-recipe reference (`tests.mixed_recipe.mixed_reference`,
-  per tensor <= 1e-2), and the losses stay within 2e-2 of plain fp32 training.
+  per tensor <= 1e-2), and the losses stay within 2e-2 of plain fp32 training: stages 1-2
+  by `tests.mixed_recipe.check_parity`, stage 3 by the same criteria
+  (`tests.recipe_checks.stage_failures`).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import zerolite
 from tests import parity
 from tests.memory_accounting import layout_sums, storage_key
 from tests.mixed_recipe import (
@@ -25,6 +28,7 @@ from tests.mixed_recipe import (
     rel_losses,
     single_thread,
 )
+from tests.recipe_checks import stage_failures
 from zerolite.memory import footprint
 from zerolite.testing import run_ranks
 
@@ -53,9 +57,10 @@ def _bf16_rank(data, stages) -> dict:
         model, opt = make_sharded(stage, torch.bfloat16)
         out["tiny", stage] = info = _dtype_info(model, opt)
         info["losses"] = parity.train(model, opt, data, sliced=True)
-        info["params"] = {n: p.detach().clone() for n, p in model.named_parameters()}
-        # The odd-width variant: padded flat buffers (no training).
-        out["odd", stage] = _dtype_info(*make_sharded(stage, torch.bfloat16, cfg=ODD))
+        full = zerolite.full_state_dict(model, rank0_only=False)  # stage 3: gathered
+        info["params"] = {n: full[n].clone() for n, _ in model.named_parameters()}
+        if stage < 3:  # The odd-width variant: padded flat buffers (no training).
+            out["odd", stage] = _dtype_info(*make_sharded(stage, torch.bfloat16, cfg=ODD))
     return out
 
 
@@ -75,7 +80,7 @@ def references(data):
 
 @pytest.fixture(scope="module", params=WORLD_SIZES, ids=lambda n: f"N{n}")
 def bf16_run(request, data):
-    return request.param, run_ranks(_bf16_rank, request.param, data, (1, 2), timeout=120)
+    return request.param, run_ranks(_bf16_rank, request.param, data, (1, 2, 3), timeout=120)
 
 
 def test_bf16_params_masters_and_param_bytes(bf16_run):
@@ -109,3 +114,13 @@ def test_bf16_parity_with_same_recipe_reference(bf16_run, references):
     assert not failures, "\n".join(failures)
     whole_vs_fp32 = rel_losses(references["bf16", 1]["losses"], references["fp32_losses"])
     assert max(whole_vs_fp32) <= LOSS_VS_FP32_TOL, whole_vs_fp32  # the recipe itself is sound
+
+
+def test_bf16_stage3_parity_with_same_recipe_reference(bf16_run, references):
+    """Stage 3: 10 AdamW steps in bf16 with fp32 masters match the hand-written recipe by the
+    criteria stages 1-2 meet (`tests.recipe_checks.stage_failures`)."""
+    n, results = bf16_run
+    failures = stage_failures(f"N={n} stage 3 bf16", [res["tiny", 3] for res in results],
+                              references["bf16", n], references["bf16", 1],
+                              references["fp32_losses"])
+    assert not failures, "\n".join(failures)

@@ -19,7 +19,6 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 from collections import defaultdict
 from pathlib import Path
 
@@ -39,7 +38,7 @@ from zerolite import checkpoint as ckpt
 from zerolite.checkpoint import CheckpointError
 from zerolite.checkpoint.commit import LOCK_FILE
 from zerolite.checkpoint.save import FAULT_ENV
-from zerolite.testing import RankFailure, run_ranks
+from zerolite.testing import RankFailure, RankTimeout, run_ranks
 
 ROOT = Path(__file__).resolve().parent.parent
 CFG = GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=2, d_model=32, dropout=0.1)
@@ -320,7 +319,7 @@ def test_resharding_is_exact_and_training_continues(tmp_path):
         # The resumed run sums in another order (another world size, stage or bucket layout),
         # which moves fp32 AdamW's loss by rounding only, on every kernel family (no bf16
         # matmul, nothing that amplifies an ulp); a wrong piece of state moves it by far more.
-        for step, (x, ref) in enumerate(zip(after[0]["after"], reference)):
+        for step, (x, ref) in enumerate(zip(after[0]["after"], reference, strict=True)):
             if not abs(x - ref) <= 1e-5 * abs(ref):
                 problems.append(f"{case}: loss {step} after resuming is {x}, un-interrupted {ref}")
         if len(after[0]["after"]) != MORE_STEPS:
@@ -535,7 +534,6 @@ def _save_then_crash(root: str, fault: str) -> str:
     ckpt.save(Path(root) / "step-1", model, opt, extra={"step": 1})
     train(model, opt, data[1:])
     os.environ[FAULT_ENV] = fault
-    Path(root, f"second-save-{dist.get_rank()}").write_text(repr(time.time()))
     ckpt.save(Path(root) / "step-2", model, opt, extra={"step": 2})
     return "the injected kill did not happen"
 
@@ -557,19 +555,12 @@ def _after_crash(root: str) -> dict:
 def test_crash_during_save_leaves_previous_checkpoint(tmp_path, phase):
     root = tmp_path / "run"
     root.mkdir()
-    start = time.time()
     with pytest.raises(RankFailure) as info:
         run_ranks(_save_then_crash, 2, str(root), PHASES[phase], timeout=60)
-    end = time.time()
     killed = int(PHASES[phase].split(":")[1])
     assert "SIGKILL" in info.value.failures[killed], info.value.failures
-    second_save = min(float(p.read_text()) for p in root.glob("second-save-*"))
-    assert end - second_save < 5.0, (
-        f"launch ended {end - second_save:.1f}s after the killed save began"
-    )
-    assert end - start < 30.0
-    for p in root.glob("second-save-*"):
-        p.unlink()
+    # The launch ended on the kill, not at its 60 s deadline (nor did the save finish).
+    assert not isinstance(info.value, RankTimeout), info.value.failures
 
     assert ckpt.latest(root) == root / "step-1"
     ckpt.verify(root / "step-1")

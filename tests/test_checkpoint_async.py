@@ -13,7 +13,8 @@
 5. an asynchronously saved checkpoint loads exactly at another world size and stage;
 6. at normal interpreter exit a save in flight is completed;
 7. ``ZeroAccelerator.save_state(..., async_save=True)`` and ``ZeroTrainer(async_save=True)``
-   save the state at the call.
+   save the state at the call (the Trainer's step-2 checkpoint, held open while step 3
+   trains, against the state at step 2's end, after 2 more steps).
 """
 
 from __future__ import annotations
@@ -359,20 +360,46 @@ def _accelerate_async(root: str) -> dict:
 
 
 def _trainer_async(root: str) -> dict:
+    """ZeroTrainer(async_save=True), 4 steps, a checkpoint every 2: the step-2 save is held
+    open while step 3 trains (released before the step-4 save, which waits for it); then
+    checkpoint-2 loads bitwise the state at step 2's end (when the save was called), which
+    the two later steps changed."""
+    from transformers import TrainerCallback
+
     from tests import hf_trainer_cases as cases
     from zerolite.hf import ZeroTrainer
 
     out = Path(root) / "trainer"
+    release = Path(root) / "release"
+    seen: dict = {}
+
+    class AtStepEnd(TrainerCallback):  # runs before Trainer's save of the same step
+        def on_step_end(self, args, state, control, **kwargs) -> None:
+            if state.global_step == 2:
+                seen["at_save"] = snapshot(trainer.model, trainer._sharded_optimizer())
+            if state.global_step == 3:
+                seen["held"] = in_flight() is not None and not in_flight().done()
+                dist.barrier()
+                if dist.get_rank() == 0:
+                    release.touch()
+
     args = cases.make_args(out, save_strategy="steps", save_steps=2, max_steps=4)
     trainer = ZeroTrainer(model=cases.make_model(), args=args, train_dataset=cases.TokenData(),
-                          async_save=True)
-    trainer.train()
-    result: dict = {"in_flight": in_flight() is not None}
-    in_flight().wait()
+                          async_save=True, callbacks=[AtStepEnd()])
+    os.environ[HOLD_ENV] = f"writing:{release}"
+    try:
+        trainer.train()
+        result: dict = {"in_flight": in_flight() is not None, "held": seen.get("held")}
+        in_flight().wait()
+    finally:
+        del os.environ[HOLD_ENV]
     opt = trainer._sharded_optimizer()
     live = snapshot(trainer.model, opt)
-    ckpt.load(out / "checkpoint-4" / "zerolite", trainer.model, opt)  # the state at the save
-    result["diff"] = differences(snapshot(trainer.model, opt), live)
+    at_save = {k: v for k, v in seen["at_save"].items() if k != "rng"}
+    result["moved"] = bool(differences({k: live[k] for k in at_save}, at_save))
+    ckpt.load(out / "checkpoint-2" / "zerolite", trainer.model, opt)  # the state at the call
+    loaded = snapshot(trainer.model, opt)
+    result["diff"] = differences({k: loaded[k] for k in at_save}, at_save)
     result["verified"] = [ckpt.verify(out / f"checkpoint-{n}" / "zerolite")["extra"]
                           for n in (2, 4)]
     try:
@@ -392,6 +419,8 @@ def test_accelerate_save_state_async(tmp_path):
 
 def test_trainer_async_save(tmp_path):
     for rank, out in enumerate(run_ranks(_trainer_async, 2, str(tmp_path), timeout=240)):
-        assert out["in_flight"] and not out["diff"], (rank, out["diff"])
+        assert out["in_flight"] and out["held"] and out["moved"], (rank, out)
+        assert not out["diff"], f"rank {rank}: checkpoint-2 is not the state at its save: " + str(
+            out["diff"][:8])
         assert out["verified"] == [{"global_step": 2}, {"global_step": 4}]
         assert out["refused"] and "save_total_limit=1" in out["refused"], out["refused"]

@@ -24,6 +24,7 @@ from torch import nn
 
 import zerolite
 import zerolite.cli
+from tests import parity
 from zerolite import checkpoint as ckpt
 from zerolite.optim.registry import NAMED
 from zerolite.testing import run_ranks
@@ -222,6 +223,37 @@ def test_estimate_model_spec_errors(capsys):
     for spec, message in cases.items():
         _assert_one_line(_main(capsys, "estimate", "--model", spec, "--world-size", "2"),
                          "estimate", f"--model {spec!r}", message)
+
+
+def _zero_paper(psi: int, n: int, stage: int, itemsize: int) -> list[float]:
+    """Per rank, bytes of params, grads, fp32 master, Adam's two moments and their sum, from
+    the ZeRO paper's accounting (README's stage table), written out here."""
+    master = 0 if itemsize == 4 else 4 * psi
+    full = [itemsize * psi, itemsize * psi, master, 8 * psi]
+    sharded = {0: 0, 1: 2, 2: 1, 3: 0}[stage]  # fields (from the right) kept whole
+    kept = [f if i < sharded else f / n for i, f in enumerate(full)] if stage else full
+    return [*kept, sum(kept)]
+
+
+def test_estimate_model_success(capsys):
+    """``--model`` builds the model on the meta device and prints each stage's bytes per rank:
+    for the tiny GPT (every tensor a multiple of 32 elements: no padding at 2 or 4 ranks), the
+    ZeRO paper's figures for its parameter count, fp32 and bf16 with fp32 masters (up to the
+    printed 3 significant digits: 5e-3 relative)."""
+    psi = sum(p.numel() for p in parity.make_model().parameters())  # a real build, tied once
+    for n, dtype, itemsize in ((2, "fp32", 4), (4, "bf16", 2)):
+        code, out, err = _main(capsys, "estimate", "--model", "tests.parity:make_model",
+                               "--world-size", str(n), "--dtype", dtype)
+        assert code == 0 and err == "", err
+        lines = out.splitlines()
+        assert lines[0].startswith(f"{psi:,} parameters, {n} ranks, {dtype} parameters"), out
+        rows = {line.split()[0]: line.split() for line in lines[2:]}
+        assert sorted(rows) == ["0", "1", "2", "3"], out
+        for stage in range(4):
+            printed = [float(x) * 1e9 for x in rows[str(stage)][1 + (stage == 0):][:5]]
+            expected = _zero_paper(psi, n, stage, itemsize)
+            assert all(abs(a - b) <= 5e-3 * b for a, b in zip(printed, expected)), (
+                n, dtype, stage, printed, expected)
 
 
 # ---------------------------------------------------------------- real processes

@@ -93,13 +93,13 @@ def test_clip_grad_norm_matches_torch(world_size):
     for label in ("stage1/norm=2.0", "stage2/norm=2.0", "stage1/norm=inf", "stage2/norm=inf"):
         norms0 = reports[0]["norms"][label]
         rels = []
-        for s, (ref_norm, z) in enumerate(zip(norms0["ref"], norms0["zerolite"])):
+        for s, (ref_norm, z) in enumerate(zip(norms0["ref"], norms0["zerolite"], strict=True)):
             # The clip must actually bite for the parameter check to mean anything.
             assert ref_norm > 5 * norms0["max_norm"], f"{label} step {s}: clipping inactive"
             rel = abs(z - ref_norm) / ref_norm
             rels.append(rel)
             assert rel <= 1e-6, f"{label} step {s}: norm {z} vs torch {ref_norm} (rel {rel:.2e})"
-        ddp_rels = [abs(d - r) / r for d, r in zip(norms0["ddp"], norms0["ref"])]
+        ddp_rels = [abs(d - r) / r for d, r in zip(norms0["ddp"], norms0["ref"], strict=True)]
         print(f"  {label}: max_norm={norms0['max_norm']:.4g} "
               f"ref norms={[f'{v:.6g}' for v in norms0['ref']]} "
               f"rel err zerolite={max(rels):.2e} DDP={max(ddp_rels):.2e}")

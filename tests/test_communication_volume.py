@@ -1,9 +1,13 @@
-"""Communication volume per optimizer step == sum over flat buffers of 2 (N-1) shard_numel.
+"""Communication volume per optimizer step: the ring's 2 (N-1)/N Psi, plus padding.
 
 Measured with `tests.comm_spy.CommSpy` on real gloo groups (world sizes 2 and 4), with
 padded and unpadded flat buffers, stages 1 and 2: the reduce-scatter and the all-gather
-each send (N-1) shard_numel per buffer (2 psi (N-1)/N plus padding in all), plus one
-small flag all-reduce per step and nothing else.
+each send (N-1) ceil(m / N) elements per bucket of m elements, plus one small flag
+all-reduce per step and nothing else. The expectation is computed here from the model's
+own parameters, with no code of zerolite's plan or layout: the buckets are what
+README's rule gives (parameters in reverse registration order, packed greedily up to
+``bucket_size_mb`` of fp32, a larger parameter alone), each padded to a multiple of N;
+in all 2 (N-1)/N Psi <= sent <= 2 (N-1)/N Psi + 2 (N-1)^2/N per bucket.
 """
 
 from __future__ import annotations
@@ -22,6 +26,22 @@ from zerolite.testing import run_ranks
 ODD = GPTConfig(vocab_size=61, seq_len=7, n_layer=1, n_head=3, d_model=9)
 
 
+def _buckets(model, bucket_mb: float) -> list[int]:
+    """Elements of each bucket README's rule makes of ``model``'s parameters (written here,
+    independently of `zerolite.plan`): reverse registration order, greedy up to the byte
+    capacity, a parameter larger than it alone; a tied parameter counted once."""
+    capacity = max(1, int(bucket_mb * 2**20))
+    sizes, current, used = [], 0, 0
+    for p in reversed(list(model.parameters())):
+        nbytes = p.numel() * 4
+        if current and used + nbytes > capacity:
+            sizes.append(current)
+            current, used = 0, 0
+        current += p.numel()
+        used += nbytes
+    return [*sizes, current] if current else sizes
+
+
 def _comm_rank() -> dict:
     n = dist.get_world_size()
     out = {}
@@ -34,6 +54,8 @@ def _comm_rank() -> dict:
     ]
     for label, cfg, stage, bucket_mb in cases:
         model = parity.make_model(cfg=cfg)
+        buckets = _buckets(model, 25.0 if bucket_mb is None else bucket_mb)
+        params = list(model.parameters())
         config = (ZeroConfig(stage=stage) if bucket_mb is None
                   else ZeroConfig(stage=stage, bucket_size_mb=bucket_mb))
         opt = zerolite.shard(model, parity.make_optimizer("AdamW", model), config)
@@ -61,10 +83,9 @@ def _comm_rank() -> dict:
                 })
                 opt.zero_grad()
         out[label] = {
-            "psi": sum(f.layout.numel for f in opt.flats),
-            "padding": sum(f.layout.padding for f in opt.flats),
-            "shard_numels": [f.layout.shard_numel for f in opt.flats],
-            "params_per_flat": [len(f.params) for f in opt.flats],
+            "psi": sum(p.numel() for p in params),
+            "buckets": buckets,
+            "params": len(params),
             "n": n,
             "steps": steps,
         }
@@ -78,18 +99,20 @@ def test_communication_volume_per_step(world_size):
     for r, rep in enumerate(reports):
         assert "error" not in rep, f"rank {r}: {rep['error']}"
         for label, c in rep.items():
-            per_flat = sum(c["shard_numels"])
-            expected_each = (n - 1) * per_flat  # reduce-scatter, and again all-gather
+            assert sum(c["buckets"]) == c["psi"], (label, c["buckets"], c["psi"])
+            # Each rank sends its N-1 other chunks of every padded bucket, reduce-scatter and
+            # again all-gather.
+            expected_each = (n - 1) * sum(-(-m // n) for m in c["buckets"])
             expected = 2 * expected_each
-            formula = 2 * (c["psi"] + c["padding"]) * (n - 1) / n  # 2 psi (N-1)/N plus padding
-            assert expected == formula
+            ring = 2 * (n - 1) / n * c["psi"]  # what a ring all-reduce of Psi sends per rank
+            assert ring <= expected <= ring + 2 * (n - 1) ** 2 / n * len(c["buckets"]), label
             # One flag per parameter, "unreduced", and the lockstep check (exchanges, steps and
             # forwards, each as a max and a negated max).
-            flags = sum(c["params_per_flat"]) + 1 + 6
+            flags = c["params"] + 1 + 6
             if r == 0:
                 flag_calls = [(s["all_reduce_calls"], s["all_reduce_elements"]) for s in c["steps"]]
-                print(f"\n[comm ws={n}] {label}: psi={c['psi']} padding={c['padding']} "
-                      f"buffers={len(c['shard_numels'])} expected/step={expected} "
+                print(f"\n[comm ws={n}] {label}: psi={c['psi']} buckets={c['buckets']} "
+                      f"expected/step={expected} "
                       f"(2 psi (N-1)/N = {2 * c['psi'] * (n - 1) / n:.1f}) "
                       f"measured={[s['isend'] for s in c['steps']]} flag all-reduce: "
                       f"{flag_calls} (int64)")

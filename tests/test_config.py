@@ -1,6 +1,8 @@
 """ZeroConfig validation and environment-variable precedence (single process)."""
 
 import dataclasses
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -110,3 +112,97 @@ def test_stages_compose():
         assert [getattr(policy, kind) for kind in kinds] == [i < stage for i in range(3)], stage
         kept = policy.grad_dtype(torch.bfloat16, torch.float32)
         assert kept == (torch.float32 if policy.shards_gradients else torch.bfloat16)
+
+
+# Every ZEROLITE_* variable README documents: (field, text, what it parses to, an explicit
+# argument that must win over it, a text that must be refused naming the field). Written
+# out here, not read from zerolite.config_env, so that a parser that changes behaviour
+# (or a variable that stops being read) fails.
+ENV_CASES = {
+    "ZEROLITE_STAGE": ("stage", " 1 ", 1, 3, "two"),
+    "ZEROLITE_PARAM_DTYPE": ("param_dtype", "BF16", torch.bfloat16, torch.float32, "int8"),
+    "ZEROLITE_REDUCE_DTYPE": ("reduce_dtype", "torch.float32", torch.float32, torch.bfloat16,
+                              "double"),
+    "ZEROLITE_BUCKET_SIZE_MB": ("bucket_size_mb", "0.5", 0.5, 3.0, "-1"),
+    "ZEROLITE_DEVICE": ("device", "cpu", torch.device("cpu"), torch.device("meta"), "nonsense"),
+    "ZEROLITE_PREFETCH": ("prefetch", "2", 2, 0, "-1"),
+    "ZEROLITE_RESHARD_AFTER_FORWARD": ("reshard_after_forward", "off", False, True, "maybe"),
+    "ZEROLITE_COLLECTIVES": ("collectives", " NATIVE", "native", "point_to_point", "mpi"),
+    "ZEROLITE_TIMEOUT_S": ("timeout_s", "12.5", 12.5, 3.0, "soon"),
+    "ZEROLITE_PARTITION": ("partition", "Tensor", "tensor", "flat", "rows"),
+    "ZEROLITE_OFFLOAD": ("offload", "HOST", "host", None, "nvme"),
+    "ZEROLITE_OFFLOAD_DIR": ("offload_dir", "/scratch/zl", "/scratch/zl", "/elsewhere", None),
+    "ZEROLITE_OFFLOAD_FRACTION": ("offload_fraction", "0.25", 0.25, 1.0, "1.5"),
+    "ZEROLITE_QUANTIZE_GATHER": ("quantize_gather", "yes", True, False, "sometimes"),
+    "ZEROLITE_QUANTIZE_REDUCE": ("quantize_reduce", "1", True, False, "2"),
+    "ZEROLITE_QUANT_BLOCK": ("quant_block", "128", 128, 64, "8"),
+    "ZEROLITE_QUANTIZE_SKIP": ("quantize_skip", " head.weight, ln_f.bias ,", ("head.weight",
+                                                                              "ln_f.bias"),
+                               ("wte.weight",), None),
+    "ZEROLITE_ERROR_FEEDBACK": ("error_feedback", "false", False, True, "no way"),
+    "ZEROLITE_SHARD_GROUP_SIZE": ("shard_group_size", "node", "node", 4, "two"),
+}
+# Texts meaning "unset" for the variables whose default is None.
+ENV_NONE = {"ZEROLITE_REDUCE_DTYPE": "none", "ZEROLITE_OFFLOAD": "None",
+            "ZEROLITE_OFFLOAD_DIR": "", "ZEROLITE_SHARD_GROUP_SIZE": "none"}
+
+
+def _clear_env(monkeypatch) -> None:
+    for var in ENV_CASES:
+        monkeypatch.delenv(var, raising=False)
+
+
+def test_every_environment_variable_is_documented_and_tested():
+    """The variables zerolite reads are exactly those tested here, and README names each."""
+    from zerolite.config_env import ENV_FIELDS
+
+    assert {env for env, _, _ in ENV_FIELDS.values()} == set(ENV_CASES)
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    assert [var for var in ENV_CASES if f"`{var}" not in readme] == []
+
+
+@pytest.mark.parametrize("var", list(ENV_CASES))
+def test_environment_variable_parsing_and_precedence(monkeypatch, var):
+    """Its text is parsed (whitespace and case forgiven where README's examples allow), an
+    explicit argument beats it, without it the default holds (and is_set says so), and a
+    bad text raises a ValueError naming the field and the text."""
+    field, text, parsed, explicit, bad = ENV_CASES[var]
+    _clear_env(monkeypatch)
+    default = getattr(ZeroConfig(), field)
+    assert not ZeroConfig().is_set(field)
+    monkeypatch.setenv(var, text)
+    cfg = ZeroConfig()
+    assert getattr(cfg, field) == parsed and cfg.is_set(field), (var, getattr(cfg, field))
+    assert getattr(ZeroConfig(**{field: explicit}), field) == explicit
+    assert getattr(ZeroConfig(**{field: default}), field) == default  # the default, explicitly
+    if var in ENV_NONE:
+        monkeypatch.setenv(var, ENV_NONE[var])
+        assert getattr(ZeroConfig(), field) is None
+    if bad is not None:
+        monkeypatch.setenv(var, bad)
+        with pytest.raises(ValueError, match=rf"ZeroConfig\.{field}\b.*{re.escape(bad.strip())}"):
+            ZeroConfig()
+    monkeypatch.delenv(var)
+    assert getattr(ZeroConfig(), field) == default
+
+
+def test_environment_fills_only_fields_not_passed(monkeypatch):
+    """Several variables at once: each fills its own field, arguments override field by
+    field, and a variable needing another (offload="disk" needs a directory) is checked
+    against the other's variable."""
+    _clear_env(monkeypatch)
+    monkeypatch.setenv("ZEROLITE_STAGE", "3")
+    monkeypatch.setenv("ZEROLITE_OFFLOAD", "disk")
+    with pytest.raises(ValueError, match="ZeroConfig.offload_dir: offload='disk' needs"):
+        ZeroConfig()
+    monkeypatch.setenv("ZEROLITE_OFFLOAD_DIR", "/tmp")
+    cfg = ZeroConfig(offload_fraction=0.5)
+    assert (cfg.stage, cfg.offload, cfg.offload_dir, cfg.offload_fraction) == (3, "disk", "/tmp",
+                                                                              0.5)
+    assert ZeroConfig(offload=None).offload is None  # an explicit None beats the variable
+    monkeypatch.setenv("ZEROLITE_PARAM_DTYPE", "fp16")
+    monkeypatch.setenv("ZEROLITE_QUANTIZE_GATHER", "1")
+    with pytest.raises(ValueError, match="ZeroConfig.quantize_gather: not supported with "
+                                         "param_dtype=torch.float16"):
+        ZeroConfig()
+    assert ZeroConfig(param_dtype=torch.bfloat16).quantize_gather

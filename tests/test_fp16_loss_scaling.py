@@ -1,12 +1,14 @@
 """fp16 training with dynamic loss scaling: skipped steps, unscaling, parity.
 
-On real gloo groups (world sizes 2 and 4), stages 1 and 2, one launch per world size (a
+On real gloo groups (world sizes 2 and 4), stages 1, 2 and 3, one launch per world size (a
 module-scoped fixture); the ranks return raw measurements and the assertions run here.
 
 - An inf gradient made on one rank only skips the step on every rank, leaves parameters,
   masters and optimizer state unchanged, and halves the scale (`ShardedOptimizer.loss_scaler`).
 - With that skipped step, training matches the hand-written fp16 recipe
-  (`tests.mixed_recipe.mixed_reference`: unscaled in fp32, clipped, skipped on overflow).
+  (`tests.mixed_recipe.mixed_reference`: unscaled in fp32, clipped, skipped on overflow):
+  stages 1-2 by `tests.mixed_recipe.check_parity`, stage 3 by the same criteria
+  (`tests.recipe_checks.stage_failures`).
 - Unscaling happens after the fp32 upcast: a gradient below fp16's range reaches the
   optimizer intact (world size 1).
 """
@@ -23,6 +25,7 @@ from torch import nn
 import zerolite
 from tests import parity
 from tests.mixed_recipe import POISONED, check_parity, make_sharded, mixed_reference, single_thread
+from tests.recipe_checks import stage_failures
 from zerolite.testing import run_ranks
 
 WORLD_SIZES = [2, 4]
@@ -44,21 +47,33 @@ def _state_snapshot(opt) -> dict:
             for k, v in opt.state.get(t, {}).items() if isinstance(v, torch.Tensor)}
 
 
+def _values(model, stage: int) -> dict[str, torch.Tensor]:
+    """Every parameter's full values (stage 3 gathers them; every rank calls), by name."""
+    if stage < 3:
+        return {n: p.detach().clone() for n, p in model.named_parameters()}
+    full = zerolite.full_state_dict(model, rank0_only=False)
+    return {n: full[n].clone() for n, _ in model.named_parameters()}
+
+
 def _fp16_rank(data, stages) -> dict:
     rank = dist.get_rank()
     out = {}
     for stage in stages:
         model, opt = make_sharded(stage, torch.float16)
-        target = opt.flats[0].params[0]
-        assert opt.flats[0].names[0] == POISONED
-        # Element 0 of flat buffer 0 lies in rank 0's shard: rank 1, where the inf is made,
-        # holds only finite reduced gradients and must learn of the overflow from the others.
-        assert opt.flats[0].layout.shard_range(0)[0] == 0
+        if stage < 3:
+            target = opt.flats[0].params[0]
+            assert opt.flats[0].names[0] == POISONED
+            # Element 0 of flat buffer 0 lies in rank 0's shard: rank 1, where the inf is
+            # made, holds only finite reduced gradients and must learn of the overflow from
+            # the others.
+            assert opt.flats[0].layout.shard_range(0)[0] == 0
+        else:  # the root unit's buffer (the last) holds it
+            target = dict(model.named_parameters())[POISONED]
         rec: dict = {"skipped": [], "scales": [], "norms": [], "losses": [], "unchanged": None}
         for step, (x, y) in enumerate(data):
             inject = step == OVERFLOW_STEP and rank == 1
-            # Stage 2 drops param.grad during backward: a tensor hook poisons it on the way in.
-            handle = target.register_hook(_poison) if inject and stage == 2 else None
+            # Stages 2-3 drop param.grad during backward: a tensor hook poisons it on the way in.
+            handle = target.register_hook(_poison) if inject and stage >= 2 else None
             loss = model(parity.local_slice(x), parity.local_slice(y))
             rec["scales"].append(opt.loss_scaler.scale)
             opt.scale_loss(loss).backward()
@@ -69,7 +84,7 @@ def _fp16_rank(data, stages) -> dict:
                 with torch.no_grad():
                     target.grad.view(-1)[0] = float("inf")
             if step == OVERFLOW_STEP:
-                params_before = {n: p.detach().clone() for n, p in model.named_parameters()}
+                params_before = _values(model, stage)
                 state_before = _state_snapshot(opt)
                 masters_before = [m.data.clone() for m in opt.masters]
             norm = opt.clip_grad_norm_(MAX_NORM)
@@ -78,7 +93,7 @@ def _fp16_rank(data, stages) -> dict:
                 state_after = _state_snapshot(opt)
                 rec["unchanged"] = {
                     "params": all(torch.equal(p, params_before[n])
-                                  for n, p in model.named_parameters()),
+                                  for n, p in _values(model, stage).items()),
                     "state_keys": state_after.keys() == state_before.keys(),
                     "state": all(k in state_after and torch.equal(v, state_after[k])
                                  for k, v in state_before.items()),
@@ -93,7 +108,7 @@ def _fp16_rank(data, stages) -> dict:
         rec["scale"] = opt.loss_scaler.scale
         rec["scaler_state"] = dict(opt.loss_scaler.state_dict())
         rec["state_dict_scaler"] = opt.state_dict()["zerolite"]["loss_scaler"]
-        rec["params"] = {n: p.detach().clone() for n, p in model.named_parameters()}
+        rec["params"] = _values(model, stage)
         rec["param_dtypes"] = sorted({str(p.dtype) for p in model.parameters()})
         out[stage] = rec
     return out
@@ -115,7 +130,7 @@ def references(data):
 
 @pytest.fixture(scope="module", params=WORLD_SIZES, ids=lambda n: f"N{n}")
 def fp16_run(request, data):
-    return request.param, run_ranks(_fp16_rank, request.param, data, (1, 2), timeout=120)
+    return request.param, run_ranks(_fp16_rank, request.param, data, (1, 2, 3), timeout=120)
 
 
 def test_fp16_overflow_on_one_rank_skips_everywhere(fp16_run, references):
@@ -127,7 +142,7 @@ def test_fp16_overflow_on_one_rank_skips_everywhere(fp16_run, references):
     assert ref["skipped"] == expected_skips  # no natural overflow in the reference either
     expected_scaler = {"scale": INIT_SCALE / 2, "growth_factor": 2.0, "backoff_factor": 0.5,
                        "growth_interval": 2000, "good_steps": steps - 1 - OVERFLOW_STEP}
-    for stage in (1, 2):
+    for stage in (1, 2, 3):
         for rank, res in enumerate(results):
             r = res[stage]
             where = f"N={n} stage {stage} rank {rank}"
@@ -141,7 +156,7 @@ def test_fp16_overflow_on_one_rank_skips_everywhere(fp16_run, references):
                 where, r["scales"])
             assert r["scales"] == ref["scales"], (where, r["scales"], ref["scales"])
             assert math.isinf(r["norms"][OVERFLOW_STEP]), (where, r["norms"])
-            for s, (a, b) in enumerate(zip(r["norms"], ref["norms"])):
+            for s, (a, b) in enumerate(zip(r["norms"], ref["norms"], strict=True)):
                 if s != OVERFLOW_STEP:  # the true global norm of the unscaled gradient
                     assert math.isfinite(a) and abs(a - b) <= 1e-2 * b, (where, s, a, b)
             assert r["scaler_state"] == expected_scaler, (where, r["scaler_state"])
@@ -155,6 +170,14 @@ def test_fp16_parity_with_same_recipe_reference(fp16_run, references):
     """With the skipped step, training matches the fp16 recipe (unscaled in fp32)."""
     n, results = fp16_run
     failures = check_parity("fp16", n, results, references["fp16", n], references["fp16", 1], None)
+    assert not failures, "\n".join(failures)
+
+
+def test_fp16_stage3_parity_with_same_recipe_reference(fp16_run, references):
+    """Stage 3, with the skipped step: the fp16 recipe by the criteria stages 1-2 meet."""
+    n, results = fp16_run
+    failures = stage_failures(f"N={n} stage 3 fp16", [res[3] for res in results],
+                              references["fp16", n], references["fp16", 1], None)
     assert not failures, "\n".join(failures)
 
 

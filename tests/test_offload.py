@@ -5,13 +5,17 @@ matrix, the accounting, the bad inputs at ``shard()`` and the garbage-collection
 and one 3-rank launch loads its checkpoints:
 
 1. bitwise parity with the in-memory run (losses and every parameter, ``torch.equal``;
-   also fp16 with a step skipped for overflow):
+   also fp16 with a step skipped for overflow, its tier holding bytes; and an LR scheduler
+   built before ``shard()`` whose lr 0 at one step leaves that step's parameters unchanged):
    stages 1-3 x fp32/bf16 x AdamW/SGD-with-momentum, each against two of the four
    (tier, fraction) settings {disk, host} x {1.0, 0.5}, chosen so that every setting
    meets every stage, dtype and optimizer; gradient clipping in every step; a chunk of
    a few kB, so pieces are split across chunks (and their ``step`` counters shared);
-2. accounting: resident master + optimizer state lower by exactly the tier's bytes
-   (`footprint`), which `estimate` predicts exactly, `track` and ``str()`` report;
+2. accounting: the bytes the tier holds, measured where they live (the disk file's size
+   through its descriptor, the host arena's storage), equal the drop in resident master +
+   optimizer state (`footprint` of both runs), the offloaded bytes `footprint`, `estimate`
+   and `track` report, and with every piece offloaded the trained elements times the bytes
+   per element;
 3. checkpoints saved offloaded and in memory at 2 ranks, each loaded offloaded and in
    memory at 3 ranks: training goes on bitwise alike;
 4. bad input: each a clear error at ``shard()``, the model and optimizer untouched;
@@ -31,6 +35,7 @@ import torch
 import zerolite
 import zerolite.cli
 from tests import parity
+from tests.memory_accounting import tier_bytes_held
 from zerolite import checkpoint as ckpt
 from zerolite.memory import estimate, footprint, track
 from zerolite.optim.offload import OffloadLayout, check_offload
@@ -39,7 +44,8 @@ from zerolite.testing import run_ranks
 
 STEPS = 3
 CHUNK_BYTES = 4096  # far below 64 MiB: pieces of the tiny GPT span several chunks
-SETTINGS = list(itertools.product(("disk", "host"), (1.0, 0.5)))
+HALF_FRACTION = 0.5
+SETTINGS = list(itertools.product(("disk", "host"), (1.0, HALF_FRACTION)))
 CASES = list(itertools.product((1, 2, 3), (torch.float32, torch.bfloat16), ("AdamW", "SGD")))
 
 
@@ -106,6 +112,9 @@ def _parity_and_accounting(where: str) -> list[dict]:
         model, opt = _build(_config(stage, dtype), name)
         losses = _train(model, opt, data)
         full, resident = _full(model), footprint(opt)
+        # This rank's trained elements: the optimizer's tensors (its master pieces), counted
+        # from the in-memory run's param groups.
+        trained = sum(t.numel() for g in opt.param_groups for t in g["params"])
         del model, opt
         for offload, fraction in _settings_of(i):
             config = _config(stage, dtype, offload, fraction, where)
@@ -118,7 +127,8 @@ def _parity_and_accounting(where: str) -> list[dict]:
                 "case": (stage, str(dtype), name, offload, fraction),
                 "losses_equal": off_losses == losses,
                 "unequal": [k for k in full if not torch.equal(full[k], off[k])],
-                "tier_bytes": tier.layout.nbytes,
+                "tier_bytes": tier_bytes_held(model),
+                "trained_elements": trained,
                 "offloaded_elements": sum(s.numel for s in tier.layout.slots),
                 "shard_elements": sum(f.layout.shard_numel for f in opt.flats),
                 "split_pieces": any(s.numel * s.bytes_per_element > CHUNK_BYTES
@@ -188,12 +198,42 @@ def _fp16_with_a_skipped_step(where: str) -> dict:
             opt.step()
             opt.zero_grad()
             skipped.append(opt.step_was_skipped)
-        out[offload] = (skipped, _full(model), r)
+        fp = footprint(opt)
+        out[offload] = (skipped, _full(model), r, fp.master + fp.optimizer_state,
+                        tier_bytes_held(model))
+    return out
+
+
+def _with_scheduler(where: str) -> dict:
+    """A LambdaLR built on the user's optimizer before shard(), lr 0 at step 1: offloaded
+    (disk, all pieces; host, half) as in memory, and the lr reaches the streamed step."""
+    data = parity.batches(STEPS)
+    out = {}
+    for offload, fraction in ((None, 1.0), ("disk", 1.0), ("host", HALF_FRACTION)):
+        model = parity.make_model()
+        inner = parity.make_optimizer("AdamW", model)
+        schedule = torch.optim.lr_scheduler.LambdaLR(inner, lambda s: 0.0 if s == 1 else 1.0)
+        opt = zerolite.shard(model, inner, _config(3, torch.bfloat16, offload, fraction, where))
+        if offload is not None:
+            state_of(model).offload.chunk_bytes = CHUNK_BYTES
+        changed, lrs = [], []
+        for x, y in data:
+            before = _full(model)
+            model(parity.local_slice(x), parity.local_slice(y)).backward()
+            lrs.append(opt.param_groups[0]["lr"])
+            opt.step()
+            opt.zero_grad()
+            schedule.step()
+            after = _full(model)
+            changed.append(any(not torch.equal(before[k], after[k]) for k in after))
+        out[offload] = {"changed": changed, "lrs": lrs, "full": _full(model),
+                        "tier": tier_bytes_held(model)}
     return out
 
 
 def _save_rank(where: str, root: str) -> dict:
     results = {
+        "scheduler": _with_scheduler(where),
         "fp16": _fp16_with_a_skipped_step(where),
         "parity": _parity_and_accounting(where),
         "bad": _bad_inputs(where),
@@ -247,37 +287,71 @@ def test_parity_bitwise(launched):
 
 
 def test_fp16_skipped_step_as_in_memory(launched):
+    """Bitwise the in-memory run, with the tier observed: it holds bytes on disk (measured
+    through the file's descriptor), and the resident bytes are lower by exactly as many."""
     for rank in launched[0]:
-        (skipped, full, _), (off_skipped, off, _) = rank["fp16"][None], rank["fp16"]["disk"]
+        (skipped, full, _, resident, _), (off_skipped, off, _, off_resident, held) = (
+            rank["fp16"][None], rank["fp16"]["disk"])
         assert skipped == off_skipped and skipped[1] and not skipped[0]
         assert all(torch.equal(full[k], off[k]) for k in full)
+        assert held > 0 and resident - off_resident == held, (resident, off_resident, held)
+
+
+# Per trained element, what the tier takes: the optimizer's per-element state (AdamW's two
+# fp32 moments, SGD's fp32 momentum), and with 16-bit parameters the fp32 master.
+STATE_BYTES = {"AdamW": 8, "SGD": 4}
 
 
 def test_resident_bytes_drop_by_the_offloaded_bytes(launched):
+    """What the tier holds, measured where it lives (the kernel's size of the disk file
+    through its descriptor, the host arena's storage), equals the drop in resident master +
+    optimizer-state bytes against the in-memory run (both from real storages), and what
+    `footprint`, `track` and `estimate` report as offloaded; with every piece offloaded
+    (fraction 1) it is the trained elements times the bytes per element."""
     saved, _, _ = launched
     for rank in saved:
         for r in rank["parity"]:
             stage, dtype, name, offload, fraction = r["case"]
-            assert r["tier_bytes"] > 0
-            assert r["footprint_offloaded"] == r["tier_bytes"]
-            assert r["resident_drop"] == r["tier_bytes"], r["case"]
+            held = r["tier_bytes"]
+            assert held > 0, r["case"]
+            assert r["resident_drop"] == held, (r["case"], r["resident_drop"], held)
+            assert r["footprint_offloaded"] == held, (r["case"], r["footprint_offloaded"], held)
+            if fraction == 1.0:
+                per_element = STATE_BYTES[name] + (4 if dtype != "torch.float32" else 0)
+                assert held == r["trained_elements"] * per_element, (r["case"], held)
             assert r["same_params_grads"]
             est, fp = r["estimate"], r["footprint"]
-            assert (est.params, est.grads, est.master, est.optimizer_state, est.offloaded) == (
-                fp.params, fp.grads, fp.master, fp.optimizer_state, fp.offloaded
+            assert est.offloaded == held, (r["case"], est.offloaded, held)
+            assert (est.params, est.grads, est.master, est.optimizer_state) == (
+                fp.params, fp.grads, fp.master, fp.optimizer_state
             ), r["case"]
             label = "optimizer state on disk" if offload == "disk" else "in host memory"
             assert label in str(fp)
             tracked, text = r["tracked"]
-            assert tracked == r["tier_bytes"] and label in text
+            assert tracked == held and label in text, (r["case"], tracked, held)
             # What is allocated, exactly: the arena (never pinned) and the three staging
             # buffers (pinned only for a CUDA model), each on its own line.
             sizes, chunk, pinned, arena = r["staging"]
-            assert arena == r["tier_bytes"] and len(sizes) == 3 and min(sizes) >= chunk
+            assert arena == held and len(sizes) == 3 and min(sizes) >= chunk
             assert fp.offload_staging == sum(sizes) and not any(pinned), r["case"]
             assert "offload staging buffers (host): " in str(fp)
             if dtype == "torch.float32":
                 assert fp.master == 0  # the master is the parameter shard: it stays
+
+
+def test_lr_scheduler_reaches_the_offloaded_step(launched):
+    """A scheduler built before shard() drives the streamed step: lr 0 at step 1 leaves the
+    parameters unchanged there (and only there), bitwise as in memory, with the tier holding
+    bytes (stage 3, bf16: masters and moments offloaded)."""
+    for rank in launched[0]:
+        runs = rank["scheduler"]
+        memory = runs[None]
+        assert memory["changed"] == [True, False, True] and memory["lrs"][1] == 0.0, memory
+        for offload in ("disk", "host"):
+            got = runs[offload]
+            assert got["tier"] > 0, (offload, got["tier"])
+            assert got["changed"] == memory["changed"] and got["lrs"] == memory["lrs"], offload
+            assert all(torch.equal(got["full"][k], v) for k, v in memory["full"].items()), offload
 
 
 def test_bad_input_at_shard(launched):

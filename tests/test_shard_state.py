@@ -52,8 +52,13 @@ def test_registry_keys_by_identity_and_forgets_dead_models():
     register(first, state)  # type: ignore[arg-type]
     assert state_of(first) is state
     assert state_of(second) is None and state_of(object()) is None
+    key, alive = id(first), weakref.ref(first)
+    assert key in shard_state._REGISTRY
     del first
     gc.collect()
+    # The registry held nothing that kept the model alive, and dropped its entry with it.
+    assert alive() is None, "the registry keeps a dead model alive"
+    assert key not in shard_state._REGISTRY, "the registry did not forget a dead model"
     assert all(ref() is not None for ref, *_ in shard_state._REGISTRY.values())
 
 

@@ -65,6 +65,78 @@ def _memory_cases() -> list[dict]:
     return [_memory_bound_case(p, r) for p, r in ((1, True), (0, True), (0, False), (1, False))]
 
 
+def _is_block_linear(module: torch.nn.Module) -> bool:
+    """Custom units: every Linear of the blocks (the head is tied to the embedding: root)."""
+    return isinstance(module, torch.nn.Linear) and module.out_features != FOUR_LAYERS.vocab_size
+
+
+def _prefetch_and_units_case() -> dict:
+    """prefetch=2 and custom ``unit_modules`` (a callable): trained 3 steps, live full bytes
+    measured by `LiveUnitMeter`, parameters against DDP and the single-process reference;
+    prefetch=2 bitwise prefetch=1 (only when gathers start changes)."""
+    n = dist.get_world_size()
+    data = parity.batches(3, cfg=FOUR_LAYERS)
+    ref = parity.make_model(cfg=FOUR_LAYERS)
+    ref_losses = parity.train(ref, parity.make_optimizer("AdamW", ref), data, sliced=False)
+    ddp_model = parity.make_model(cfg=FOUR_LAYERS)
+    ddp_losses = parity.train(torch.nn.parallel.DistributedDataParallel(ddp_model),
+                              parity.make_optimizer("AdamW", ddp_model), data, sliced=True)
+    ddp = parity.ddp_deviation(ddp_model, ddp_losses, ref, ref_losses)
+    out: dict = {"failures": []}
+    finals = {}
+    for name, units, prefetch in (("blocks", None, 1), ("blocks", None, 2),
+                                  ("linears", _is_block_linear, 1)):
+        model = parity.make_model(cfg=FOUR_LAYERS)
+        opt = zerolite.shard(model, parity.make_optimizer("AdamW", model), zerolite.ZeroConfig(
+            stage=3, prefetch=prefetch, unit_modules=units))
+        meter = LiveUnitMeter(model)
+        losses = parity.train(model, opt, data, sliced=True)
+        try:
+            parity.check_parity(f"{name} prefetch={prefetch}", model, losses, ref, ref_losses,
+                                ddp)
+        except AssertionError as exc:
+            out["failures"].append(str(exc))
+        finals[name, prefetch] = zerolite.full_state_dict(model, rank0_only=False)
+        out[name, prefetch] = meter.peak
+    out["prefetch_bitwise"] = all(torch.equal(v, finals["blocks", 2][k])
+                                  for k, v in finals["blocks", 1].items())
+    # Full bytes of each kind of unit, from the modules' own parameter sizes (padded to a
+    # multiple of N, as any flat buffer of them is): a block, its largest Linear, and the
+    # root's share with either kind of unit.
+    model = parity.make_model(cfg=FOUR_LAYERS)
+
+    def full_bytes(params) -> int:
+        return 4 * -(-sum(p.numel() for p in params) // n) * n
+
+    block = full_bytes(model.blocks[0].parameters())
+    linear = max(full_bytes(m.parameters()) for m in model.modules() if _is_block_linear(m))
+    in_blocks = {id(p) for b in model.blocks for p in b.parameters()}
+    in_linears = {id(p) for m in model.modules() if _is_block_linear(m) for p in m.parameters()}
+    out["sizes"] = {
+        "block": block, "linear": linear,
+        "root_blocks": full_bytes(p for p in model.parameters() if id(p) not in in_blocks),
+        "root_linears": full_bytes(p for p in model.parameters() if id(p) not in in_linears),
+    }
+    return out
+
+
+def test_prefetch_two_and_custom_unit_modules():
+    """prefetch=2: at most 3 blocks and the root are full at once, and more than prefetch=1
+    allows (so the third gather did start early); training bitwise that of prefetch=1.
+    unit_modules picking each block's Linear layers: at most 2 of them and the root (which
+    now holds the layer norms) are full at once, far below one block (so the blocks were
+    not the units). Both within `tests.parity`'s rule of single-process training."""
+    for rank, r in enumerate(run_ranks(_prefetch_and_units_case, 2, timeout=120)):
+        assert not r["failures"], (rank, r["failures"])
+        sizes = r["sizes"]
+        p1, p2, linears = r["blocks", 1], r["blocks", 2], r["linears", 1]
+        assert p2 <= 3 * sizes["block"] + sizes["root_blocks"], (rank, p2, sizes)
+        assert p2 > 2 * sizes["block"] + sizes["root_blocks"] >= p1, (rank, p1, p2, sizes)
+        assert r["prefetch_bitwise"], rank
+        assert linears <= 2 * sizes["linear"] + sizes["root_linears"] < sizes["block"], (
+            rank, linears, sizes)
+
+
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_live_units_stay_within_the_prefetch_bound(world_size):
     results = run_ranks(_memory_cases, world_size, timeout=120)[0]

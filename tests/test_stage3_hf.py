@@ -4,7 +4,8 @@
   process and with DDP (tests/parity.py's criterion); at stage 3 the frozen base is
   sharded 1/N; a QLoRA-style run (bf16 frozen base, fp32 LoRA masters) at stage 3.
 - ``generate()`` at stage 3 with ranks stopping at different lengths finishes (it hung:
-  transformers syncs ranks only for DeepSpeed / FSDP) with the unsharded model's tokens.
+  transformers syncs ranks only for DeepSpeed / FSDP) with the unsharded model's tokens;
+  ``synced_gpus`` passed by the caller overrides zerolite's default.
 - Decoding inside ``gathered_parameters`` (and with ``reshard_after_forward=False``)
   issues no gather per decoding step.
 """
@@ -17,6 +18,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 import zerolite
 from tests import parity
+from tests.comm_spy import CommSpy
+from tests.loss_checks import worst_deviation
 from zerolite.memory import footprint
 from zerolite.testing import run_ranks
 
@@ -111,7 +114,7 @@ def _qlora_case(data: list[torch.Tensor]) -> dict:
         "lora_err": max(parity.rel_err(full[n], ref[n]) for n in lora),
         "base_equal": all(torch.equal(full[n], p) for n, p in ref.items() if not p.requires_grad),
         "base_dtypes": {str(full[n].dtype) for n, p in ref.items() if not p.requires_grad},
-        "loss_err": max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)),
+        "loss_err": worst_deviation(losses, ref_losses),
     }
 
 
@@ -151,8 +154,31 @@ def _generate_case() -> dict:
     return {"equal": torch.equal(out, expected), "new": out.shape[1] - prompt.shape[1]}
 
 
+def _synced_gpus_case() -> dict:
+    """Ranks generating the same number of tokens: zerolite's default ``synced_gpus=True``
+    makes transformers agree on "every rank finished" with an all-reduce per decoding step;
+    the caller's ``synced_gpus=False`` is passed through (no such all-reduce), with the same
+    tokens. Counted on the wire: transformers' ``_has_unfinished_sequences`` calls
+    ``dist.all_reduce``."""
+    reference = make_llama().eval()
+    model = make_llama().eval()
+    zerolite.shard(model, make_opt(model), zerolite.ZeroConfig(stage=3, timeout_s=30))
+    prompt = torch.randint(3, VOCAB, (2, 5), generator=torch.Generator().manual_seed(0))
+    kwargs = {"max_new_tokens": 4, "do_sample": False, "eos_token_id": None}
+    expected = reference.generate(prompt, **kwargs)
+    out = {}
+    for name, extra in (("default", {}), ("overridden", {"synced_gpus": False}),
+                        ("explicit", {"synced_gpus": True})):
+        with CommSpy() as spy:
+            tokens = model.generate(prompt, **kwargs, **extra)
+        out[name] = {"agreements": spy.calls(name="all_reduce", caller="_has_unfinished_sequences"),
+                     "equal": torch.equal(tokens, expected)}
+    return out
+
+
 def _generation_cases() -> dict:
-    return {"lengths": _generate_case(), "decode": _decode_without_gathers_case()}
+    return {"lengths": _generate_case(), "decode": _decode_without_gathers_case(),
+            "synced": _synced_gpus_case()}
 
 
 def test_generate_at_stage_3_never_hangs_and_decodes_without_per_step_gathers():
@@ -169,6 +195,14 @@ def test_generate_at_stage_3_never_hangs_and_decodes_without_per_step_gathers():
         assert r[name]["calls"] == 0 and r[name]["equal"], r
         assert not r[name]["freed_or_kept_wrong"], r
     assert r["stale_err"] < 1e-4, r
+    # synced_gpus: the default agrees once per decoding step (4 tokens), as an explicit True
+    # does; the caller's False reaches transformers (no agreement), with the same tokens.
+    for rank in ranks:
+        synced = rank["synced"]
+        assert all(case["equal"] for case in synced.values()), synced
+        assert synced["default"]["agreements"] >= 4, synced
+        assert synced["explicit"]["agreements"] == synced["default"]["agreements"], synced
+        assert synced["overridden"]["agreements"] == 0, synced
 
 
 class GatherSpy:

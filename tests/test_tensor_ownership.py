@@ -201,6 +201,11 @@ def _ownership_cases() -> dict:
             merged[n] = k
     loads = [sum(c.values()) for c in counts]
     expected = max(loads) / min(loads)
+    # README's rule, written here (not zerolite.tensor_layout's code): largest tensor first,
+    # each to the least-loaded rank; the loads it gives, whatever the tie-breaks.
+    greedy = [0] * world
+    for n in sorted((p.numel() for p in model.parameters()), reverse=True):
+        greedy[greedy.index(min(greedy))] += n
     x, y = (parity.local_slice(t) for t in parity.batches(1)[0])
     model(x, y).backward()
     opt.step()  # optimizer state exists from the first step on
@@ -216,6 +221,8 @@ def _ownership_cases() -> dict:
         "all_owned": set(merged) == {n for n, _ in model.named_parameters()},
         "imbalance": footprint(opt).ownership_imbalance,
         "expected": expected,
+        "greedy": max(greedy) / min(greedy),
+        "loads": (sorted(loads), sorted(greedy)),
         "estimated": estimated.ownership_imbalance,
         "model_states": (footprint(opt).model_states, estimated.model_states),
         "bf16_replicas_equal": _bf16_replicas_equal(),
@@ -325,7 +332,8 @@ def test_every_parameter_whole_on_one_owner_and_imbalance_reported(runs) -> None
         assert own["whole"] and own["all_owned"], own
         assert own["imbalance"] == pytest.approx(own["expected"]), own
         assert own["estimated"] == pytest.approx(own["expected"]), own
-        assert own["imbalance"] >= 1.0
+        assert own["loads"][0] == own["loads"][1], own  # the owners' loads follow the rule
+        assert own["imbalance"] == pytest.approx(own["greedy"]), own
         measured, estimated = own["model_states"]
         assert measured == estimated, own  # byte-exact, as under "flat"
         assert own["bf16_replicas_equal"], own

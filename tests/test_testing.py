@@ -166,28 +166,34 @@ def test_unpicklable_return_value_is_reported() -> None:
     assert "cannot pickle '_thread.lock'" in info.value.failures[0]
 
 
-def test_exception_in_one_rank_fails_fast() -> None:
-    start = time.monotonic()
+def test_exception_in_one_rank_fails_fast(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 1 raises while rank 0 waits in a barrier: rank 0's barrier fails as soon as rank
+    1's process is gone, and the launch ends on both reports. Event-based: the deadline and
+    the grace period are set to 10 minutes, so a launch that waited for either would end in a
+    RankTimeout or with rank 0 killed, not with rank 0's own error."""
+    monkeypatch.setattr(zerolite.testing, "_GRACE_S", 600.0)
     with pytest.raises(RankFailure) as info:
-        run_ranks(_rank1_raises, 2, timeout=60)
-    elapsed = time.monotonic() - start
-    assert elapsed < 15, elapsed
+        run_ranks(_rank1_raises, 2, timeout=600)
     message = str(info.value)
     assert "[rank 1/2]" in message
     assert "ValueError: boom" in message
     assert "ValueError: boom" in info.value.failures[1]
-    assert set(info.value.failures) == {0, 1}  # rank 0 errored in barrier or was killed
+    assert set(info.value.failures) == {0, 1}
+    assert "Traceback" in info.value.failures[0], info.value.failures[0]  # its own error
     assert not isinstance(info.value, RankTimeout)
     assert _stray_rank_processes() == []
 
 
 def test_unresponsive_rank_killed_after_grace_period(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 0 sleeps 60 s in Python (it cannot notice rank 1's failure) and would then return
+    normally; the launch's deadline is 120 s. Killed, it was killed by the grace period:
+    after at least that long (a lower bound, which load cannot break)."""
     monkeypatch.setattr(zerolite.testing, "_GRACE_S", 1.5)  # parent-side constant; saves time
     start = time.monotonic()
     with pytest.raises(RankFailure) as info:
-        run_ranks(_rank1_raises_rank0_sleeps, 2, timeout=60)
-    elapsed = time.monotonic() - start
-    assert 1.5 < elapsed < 6, elapsed  # the grace period, then SIGKILL
+        run_ranks(_rank1_raises_rank0_sleeps, 2, timeout=120)
+    assert time.monotonic() - start >= 1.5  # the grace period was given
+    assert not isinstance(info.value, RankTimeout)
     assert info.value.failures[0] == "killed after rank 1 failed"
     assert "[rank 0/2] killed after rank 1 failed" in str(info.value)
     assert "ValueError: boom" in info.value.failures[1]
@@ -203,35 +209,40 @@ def test_errors_of_all_ranks_are_collected() -> None:
     assert "[rank 1/2]" in message and "KeyError: 'bad rank 1'" in message
 
 
-def test_killed_rank_is_reported_promptly() -> None:
-    start = time.monotonic()
+def test_killed_rank_is_reported_promptly(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 1 SIGKILLs itself: its death is seen through its process sentinel and named as
+    such. Event-based: with a 10-minute grace period a launch that missed the death would
+    end at the 60 s deadline with rank 1 "killed after rank 0 failed", not SIGKILLed."""
+    monkeypatch.setattr(zerolite.testing, "_GRACE_S", 600.0)
     with pytest.raises(RankFailure) as info:
         run_ranks(_rank1_sigkills_itself, 2, timeout=60)
-    elapsed = time.monotonic() - start
-    assert elapsed < 10, elapsed
+    assert not isinstance(info.value, RankTimeout)
     assert "SIGKILL" in info.value.failures[1]
     assert "[rank 1/2]" in str(info.value)
     assert "SIGKILL" in str(info.value)
     assert _stray_rank_processes() == []
 
 
-def test_silent_exit_kills_the_rest_immediately() -> None:
-    start = time.monotonic()
+def test_silent_exit_kills_the_rest_immediately(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 1 exits silently; rank 0 sleeps 60 s in Python and would then return normally.
+    No grace period for a silent death: rank 0 is killed at once. Event-based: the grace
+    period is 10 minutes and the deadline 120 s, so a launch that gave one would have let
+    rank 0 return after its sleep."""
+    monkeypatch.setattr(zerolite.testing, "_GRACE_S", 600.0)
     with pytest.raises(RankFailure) as info:
-        run_ranks(_rank1_exits, 2, 3, timeout=60)
-    elapsed = time.monotonic() - start
-    assert elapsed < 5, elapsed  # no grace period: rank 0 sleeps and is killed at once
+        run_ranks(_rank1_exits, 2, 3, timeout=120)
     assert "exit code 3" in info.value.failures[1]
     assert info.value.failures[0] == "killed after rank 1 failed"
     assert _stray_rank_processes() == []
 
 
 def test_hang_times_out_and_names_hung_rank() -> None:
+    """Rank 0 sleeps 60 s; the deadline is 3 s: a RankTimeout naming it (were the deadline
+    not kept, rank 0 would return after its sleep), no earlier than the deadline."""
     start = time.monotonic()
     with pytest.raises(RankTimeout) as info:
         run_ranks(_rank0_hangs, 2, timeout=3)
-    elapsed = time.monotonic() - start
-    assert 3 <= elapsed < 8, elapsed
+    assert time.monotonic() - start >= 3
     assert set(info.value.failures) == {0}
     assert "hung" in str(info.value) and "[rank 0/2]" in str(info.value)
     assert "[rank 1/2]" not in str(info.value)
@@ -246,11 +257,16 @@ def _local_function_factory() -> Callable[[], None]:
 
 
 @pytest.mark.parametrize("fn", [lambda: None, _local_function_factory()], ids=["lambda", "local"])
-def test_unpicklable_function_rejected_before_launch(fn: Callable[[], None]) -> None:
-    start = time.monotonic()
+def test_unpicklable_function_rejected_before_launch(
+    fn: Callable[[], None], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Refused before any process starts: starting one would raise AssertionError here."""
+    def no_launch(*args: object, **kwargs: object) -> None:
+        raise AssertionError("run_ranks started a launch")
+
+    monkeypatch.setattr(zerolite.testing.mp, "get_context", no_launch)
     with pytest.raises(TypeError, match="module level"):
         run_ranks(fn, 2)
-    assert time.monotonic() - start < 0.5
 
 
 @pytest.mark.parametrize("world_size", [0, -1, 1.5, "2", True])

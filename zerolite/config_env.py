@@ -60,6 +60,16 @@ def _parse_number(field: str, raw: str, kind: type) -> Any:
         ) from None
 
 
+def _parse_device(raw: str) -> torch.device:
+    try:
+        return torch.device(raw.strip())
+    except (RuntimeError, TypeError):
+        raise ValueError(
+            f"ZeroConfig.device: environment value {raw!r} is not a device; use e.g. 'cpu' or "
+            "'cuda:0'"
+        ) from None
+
+
 def _parse_group_size(raw: str) -> int | str | None:
     key = raw.strip().lower()
     if key in ("", "none"):
@@ -93,7 +103,7 @@ ENV_FIELDS: dict[str, tuple[str, Callable[[str], Any], Any]] = {
         lambda s: _parse_number("bucket_size_mb", s, float),
         25.0,
     ),
-    "device": ("ZEROLITE_DEVICE", lambda s: torch.device(s), None),
+    "device": ("ZEROLITE_DEVICE", _parse_device, None),
     "prefetch": ("ZEROLITE_PREFETCH", lambda s: _parse_number("prefetch", s, int), 1),
     "reshard_after_forward": (
         "ZEROLITE_RESHARD_AFTER_FORWARD",
