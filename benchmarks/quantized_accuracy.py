@@ -227,8 +227,8 @@ def codec() -> None:
     the size of step_time.py's GPT, and the link speed below which the bytes it saves take
     longer to send than it takes to compute (2 ranks: each rank sends and receives half of
     each exchange; one reduce-scatter and one all-gather per step)."""
-    from zerolite.layout import FlatLayout
-    from zerolite.quantize import WireFormat
+    from zerolite.comm.codec import WireFormat
+    from zerolite.plan.layout import FlatLayout
 
     torch.set_num_threads(1)
     numel = sum(p.numel() for p in GPT(BENCH).parameters())

@@ -1,7 +1,7 @@
 """No module of the package calls a ``torch.distributed`` collective outside the
 communication layer.
 
-Device placement is one decision (`zerolite.devices`), and only the communication layer
+Device placement is one decision (`zerolite.comm.devices`), and only the communication layer
 applies it: every collective of the package runs in one of `COMMUNICATION_MODULES`, so a
 new module that calls ``dist.all_reduce`` (or any other collective) directly -- on a
 CPU tensor that NCCL would refuse, or with a timeout that blocks the host -- fails here.
@@ -21,10 +21,10 @@ PACKAGE = Path(__file__).resolve().parent.parent / "zerolite"
 
 # Where collectives may be called, relative to the package directory.
 COMMUNICATION_MODULES = {
-    "collectives.py": "the data path: reduce-scatter, all-gather, broadcast, gather",
-    "owned_collectives.py": "the data path for uneven (whole-tensor) chunks",
-    "quantized_collectives.py": "the data path for int8 messages",
-    "small_exchange.py": "every small exchange: flags, counters, norms, bytes",
+    "comm/collectives.py": "the data path: reduce-scatter, all-gather, broadcast, gather",
+    "comm/owned.py": "the data path for uneven (whole-tensor) chunks",
+    "comm/quantized.py": "the data path for int8 messages",
+    "comm/small_exchange.py": "every small exchange: flags, counters, norms, bytes",
     "testing.py": "the test launcher: a barrier before it tears its own group down",
 }
 
@@ -97,8 +97,8 @@ def test_collectives_are_called_only_in_the_communication_layer():
     }
     assert not outside, (
         f"torch.distributed collectives called outside the communication layer: {outside}. "
-        "Small values go through zerolite.small_exchange.exchange_small (it places them on "
-        "the group's communication device); data tensors through zerolite.collectives."
+        "Small values go through zerolite.comm.small_exchange.exchange_small (it places them on "
+        "the group's communication device); data tensors through zerolite.comm.collectives."
     )
 
 
@@ -124,6 +124,6 @@ def test_the_check_ignores_queries_and_other_modules():
     source = (
         "import torch.distributed as dist\nimport torch\n"
         "dist.get_rank(); dist.is_initialized(); dist.new_group([0]); torch.cuda.synchronize()\n"
-        "from zerolite.collectives import all_reduce\nall_reduce(t, group)\n"
+        "from zerolite.comm.collectives import all_reduce\nall_reduce(t, group)\n"
     )
     assert collective_uses(source) == []

@@ -103,7 +103,7 @@ def test_integrations_fill_only_an_unset_param_dtype(monkeypatch):
 
 def test_stages_compose():
     """The stage table: each stage shards what the one before does, plus the next kind."""
-    from zerolite.stages import STAGES
+    from zerolite.plan.stages import STAGES
 
     kinds = ("shards_optimizer_state", "shards_gradients", "shards_parameters")
     assert sorted(STAGES) == [0, 1, 2, 3]

@@ -53,7 +53,7 @@ from zerolite import ZeroConfig
 from zerolite import checkpoint as ckpt
 from zerolite.checkpoint.commit import HOLD_ENV
 from zerolite.memory import estimate, footprint
-from zerolite.shard_state import state_of
+from zerolite.state.shard_state import state_of
 from zerolite.testing import FootprintMismatch, assert_footprint, run_ranks
 
 STEPS = 2

@@ -4,7 +4,7 @@ import itertools
 
 import pytest
 
-from zerolite.layout import FlatLayout, size_partition
+from zerolite.plan.layout import FlatLayout, size_partition
 
 SIZES = [
     (1,),

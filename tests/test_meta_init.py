@@ -22,7 +22,7 @@ from zerolite.testing import run_ranks
 
 class PlainGPT(GPT):
     """The example GPT initialised only by its layers' own ``reset_parameters()``: the
-    kind of model whose meta build equals its normal build (see zerolite.meta_init)."""
+    kind of model whose meta build equals its normal build (see zerolite.params.meta_init)."""
 
     @staticmethod
     def init_weights(module: nn.Module) -> None:

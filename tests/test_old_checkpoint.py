@@ -21,7 +21,7 @@ from safetensors.torch import load_file
 
 import zerolite
 from tests.data.make_old_checkpoint import CHECKPOINT, STEPS, build, train_step
-from zerolite.shard_state import state_of
+from zerolite.state.shard_state import state_of
 from zerolite.testing import run_ranks
 
 DATA = Path(__file__).resolve().parent / "data" / "old_checkpoint"

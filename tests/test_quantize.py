@@ -18,9 +18,9 @@ import pytest
 import torch
 
 from zerolite import ZeroConfig
-from zerolite.layout import FlatLayout
+from zerolite.comm.codec import ChunkCodec, WireFormat, dequantize_blocks, quantize_blocks
 from zerolite.memory import formula
-from zerolite.quantize import ChunkCodec, WireFormat, dequantize_blocks, quantize_blocks
+from zerolite.plan.layout import FlatLayout
 
 BLOCK = 64
 

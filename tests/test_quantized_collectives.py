@@ -38,11 +38,11 @@ from tests.comm_spy import CommSpy, exchanges
 from tests.loss_checks import worst_deviation
 from zerolite import ZeroConfig
 from zerolite import checkpoint as ckpt
-from zerolite.collectives import Group
-from zerolite.layout import FlatLayout
-from zerolite.quantize import ChunkCodec, WireFormat
-from zerolite.quantized_collectives import quantized_all_gather, quantized_reduce_scatter_avg
-from zerolite.shard_state import state_of
+from zerolite.comm.codec import ChunkCodec, WireFormat
+from zerolite.comm.collectives import Group
+from zerolite.comm.quantized import quantized_all_gather, quantized_reduce_scatter_avg
+from zerolite.plan.layout import FlatLayout
+from zerolite.state.shard_state import state_of
 from zerolite.testing import FootprintMismatch, assert_footprint, run_ranks
 
 BLOCK = 64

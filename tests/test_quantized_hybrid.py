@@ -1,4 +1,4 @@
-"""Hybrid sharding's quantized cross-node step (`zerolite.quantized_replicas`), on real
+"""Hybrid sharding's quantized cross-node step (`zerolite.comm.quantized_replicas`), on real
 gloo groups.
 
 - The two-phase exchange alone, over a replica group of 3 ranks (pieces of uneven
@@ -32,13 +32,13 @@ from tests.comm_spy import CommSpy, link_bytes
 from tests.test_quantized_collectives import BLOCK, _bound, _warnings
 from zerolite import ZeroConfig
 from zerolite import checkpoint as ckpt
-from zerolite.collectives import Group, Pending
-from zerolite.layout import FlatLayout
-from zerolite.quantized_replicas import (
+from zerolite.comm.collectives import Group, Pending
+from zerolite.comm.quantized_replicas import (
     quantized_average_across_replicas,
     replica_residual_shape,
     replica_wire,
 )
+from zerolite.plan.layout import FlatLayout
 from zerolite.testing import run_ranks
 
 TIMEOUT = 120.0

@@ -1,4 +1,5 @@
-"""`zerolite.shard_state`: one `ShardState` per sharded model, found by identity, freed with it."""
+"""`zerolite.state.shard_state`: one `ShardState` per sharded model, found by identity, freed
+with it."""
 
 from __future__ import annotations
 
@@ -10,8 +11,8 @@ import torch
 from torch import nn
 
 import zerolite
-from zerolite import shard_state
-from zerolite.shard_state import register, state_of
+from zerolite.state import shard_state
+from zerolite.state.shard_state import register, state_of
 from zerolite.testing import run_ranks
 
 

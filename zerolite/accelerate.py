@@ -18,7 +18,7 @@ are wrong for sharded state (DESIGN §6, measured on accelerate 1.15):
   kept anyway); stages >= 2 reduce-scatter every micro-step instead, keeping their
   memory saving (as Accelerate does for DeepSpeed ZeRO >= 2).
 - a model built under ``torch.device("meta")`` is not moved by ``prepare()``:
-  `zerolite.shard` materialises it on the accelerator's device (`zerolite.meta_init`).
+  `zerolite.shard` materialises it on the accelerator's device (`zerolite.params.meta_init`).
 - ``mixed_precision: bf16`` means bf16 parameters with fp32 master shards
   (``param_dtype=torch.bfloat16``); ``fp16`` uses zerolite's loss scaler (CUDA only).
 """

@@ -55,7 +55,7 @@ class ZeroConfig:
         device: where flat buffers live; ``None`` keeps the parameters' own device (a model
             built on the meta device: the process group's CUDA device under NCCL -- its
             bound ``device_id``, else the current CUDA device -- otherwise the CPU; see
-            `zerolite.devices`). ``"cuda"`` means the current CUDA device at `shard()`.
+            `zerolite.comm.devices`). ``"cuda"`` means the current CUDA device at `shard()`.
             Env: ``ZEROLITE_DEVICE``.
         elementwise_optimizers: optimizer classes, beyond zerolite's allow-list, that
             the user declares elementwise (their update of an element depends only on
@@ -96,7 +96,7 @@ class ZeroConfig:
         offload_fraction: the fraction, in (0, 1], of this rank's shard elements whose
             state is offloaded, rounded up to whole parameter pieces (the first pieces in
             layout order). Env: ``ZEROLITE_OFFLOAD_FRACTION``.
-        shard_group_size: hybrid sharding (`zerolite.hybrid`). ``None``: shard over the
+        shard_group_size: hybrid sharding (`zerolite.comm.hybrid`). ``None``: shard over the
             whole data-parallel group. An int k: shard within consecutive groups of k ranks
             (ranks 0..k-1, k..2k-1, ...) and replicate across the groups; gradients are
             reduce-scattered within a group, then each shard is all-reduced across the
@@ -106,8 +106,8 @@ class ZeroConfig:
             ``init_fn(module)`` on every module (children before parents, as
             ``nn.Module.apply``) once its parameters have storage, instead of each
             module's own ``reset_parameters()``. It must draw from the default generator
-            only, so every rank computes the same values (see `zerolite.meta_init`).
-        partition: how trained parameters are split over ranks (see `zerolite.tensor_layout`).
+            only, so every rank computes the same values (see `zerolite.params.meta_init`).
+        partition: how trained parameters are split over ranks (see `zerolite.plan.owners`).
             ``"flat"``: every flat buffer in equal 1-D shards (elementwise optimizers only).
             ``"tensor"``: each parameter whole on one owner rank, which steps it in its own
             shape, so any optimizer that steps tensor by tensor works (Muon, Adafactor).
@@ -117,7 +117,7 @@ class ZeroConfig:
         quantize_gather: every parameter all-gather (stage 3's unit gathers, stages 1-2's
             post-step publish) sends int8 blocks of ``quant_block`` elements with one fp32
             scale each; every rank, the owner included, computes with the same dequantized
-            values, and the fp32 masters stay exact (`zerolite.quantize`). Refused with
+            values, and the fp32 masters stay exact (`zerolite.comm.codec`). Refused with
             fp16 parameters. Env: ``ZEROLITE_QUANTIZE_GATHER``.
         quantize_reduce: every gradient reduce-scatter sends each rank's contribution as
             int8 blocks; receivers dequantize and sum in fp32 in rank order. Refused with

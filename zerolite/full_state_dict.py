@@ -12,7 +12,7 @@ from torch import nn
 
 from zerolite.checkpoint.save import state_dict_names
 from zerolite.gathered import iter_full_state_dict
-from zerolite.shard_state import state_of
+from zerolite.state.shard_state import state_of
 
 __all__ = ["full_state_dict"]
 

@@ -15,9 +15,9 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from zerolite.collectives import broadcast
-from zerolite.shard_state import require_state, state_of
-from zerolite.unit_scheduler import UnitScheduler
+from zerolite.comm.collectives import broadcast
+from zerolite.params.unit_scheduler import UnitScheduler
+from zerolite.state.shard_state import require_state, state_of
 
 __all__ = ["gathered_parameters", "iter_full_state_dict"]
 

@@ -1,16 +1,16 @@
 """`shard()`: validate, agree across ranks, then wire the pieces a stage needs.
 
 Nothing is modified until every rank has validated its inputs and all ranks agree on
-the plan (`zerolite.consensus`). Then:
+the plan (`zerolite.comm.consensus`). Then:
 
 - managed parameters (those the optimizer holds and that require grad) are packed into
-  flat buffers of about ``bucket_size_mb`` (`zerolite.plan`), in reverse registration
+  flat buffers of about ``bucket_size_mb`` (`zerolite.plan.shard_plan`), in reverse registration
   order (roughly the order backward produces gradients); rank 0's values are broadcast, as DDP does
   (a model built on the meta device is materialised and initialised instead, unit by
-  unit, see `zerolite.meta_init`);
+  unit, see `zerolite.params.meta_init`);
 - the optimizer's param groups are re-pointed at fp32 master pieces and any existing
   state is re-sharded;
-- what the stage shards (`zerolite.stages.STAGES`) picks the pieces: kept full
+- what the stage shards (`zerolite.plan.stages.STAGES`) picks the pieces: kept full
   gradients wire `KeepFullGrads`, sharded ones `ShardGradsInBackward`; both share
   buckets, the reducer and the optimizer. Sharded parameters add one buffer per unit
   and the `UnitScheduler` that gathers them.
@@ -28,33 +28,33 @@ import torch
 from torch import nn
 
 from zerolite import phase_events
-from zerolite.bucket import GradBucket
-from zerolite.collectives import Group, broadcast, broadcast_coalesced
+from zerolite.comm.collectives import Group, broadcast, broadcast_coalesced
+from zerolite.comm.consensus import agreed
+from zerolite.comm.devices import backends_of, buffer_device, check_buffer_device
+from zerolite.comm.hybrid import data_parallel_group, shard_group_size, sharding_group
 from zerolite.compile_guard import exclude_from_compile, not_compiled
 from zerolite.config import ZeroConfig
-from zerolite.consensus import agreed
-from zerolite.devices import backends_of, buffer_device, check_buffer_device
-from zerolite.flat_buffer import FlatParamBuffer
-from zerolite.grad_reducer import GradReducer
-from zerolite.hooks import KeepFullGrads, ShardGradsInBackward
-from zerolite.hybrid import data_parallel_group, shard_group_size, sharding_group
-from zerolite.meta_init import (
+from zerolite.grads.bucket import GradBucket
+from zerolite.grads.hooks import KeepFullGrads, ShardGradsInBackward
+from zerolite.grads.reducer import GradReducer
+from zerolite.optim.multi import MultiOptimizer
+from zerolite.optim.repoint import repoint_optimizer
+from zerolite.optim.sharded_optimizer import ShardedOptimizer
+from zerolite.params.flat_buffer import FlatParamBuffer
+from zerolite.params.meta_init import (
     check_before_first_forward,
     materialize,
 )
-from zerolite.model_changes import guard_conversions, install_no_sync
-from zerolite.optim.master import MasterShard
-from zerolite.optim.multi import MultiOptimizer
-from zerolite.optim.offload import OffloadLayout, build_tier, plan_offload
-from zerolite.optim.repoint import repoint_optimizer
-from zerolite.optim.sharded_optimizer import ShardedOptimizer
-from zerolite.plan import ShardPlan, plan_layout
-from zerolite.quantize_setup import describe_quantization, install_quantization
-from zerolite.shard_state import ShardState, pieces_of, register
-from zerolite.stages import STAGES
-from zerolite.tensor_layout import assign_owners
-from zerolite.unit_scheduler import UnitScheduler
-from zerolite.units import Unit
+from zerolite.params.model_changes import guard_conversions, install_no_sync
+from zerolite.params.unit_scheduler import UnitScheduler
+from zerolite.plan.owners import assign_owners
+from zerolite.plan.quantization import describe_quantization, install_quantization
+from zerolite.plan.shard_plan import ShardPlan, plan_layout
+from zerolite.plan.stages import STAGES
+from zerolite.plan.units import Unit
+from zerolite.state.master import MasterShard
+from zerolite.state.offload import OffloadLayout, build_tier, plan_offload
+from zerolite.state.shard_state import ShardState, pieces_of, register
 
 __all__ = ["shard"]
 
@@ -79,7 +79,7 @@ def shard(
 
     A model built under ``torch.device("meta")`` is materialised on ``config.device``
     one unit at a time and initialised by ``config.init_fn`` or its modules'
-    ``reset_parameters()`` (see `zerolite.meta_init`); tensors nothing initialised must
+    ``reset_parameters()`` (see `zerolite.params.meta_init`); tensors nothing initialised must
     be loaded (`zerolite.checkpoint.load_pretrained`) before the first forward.
 
     Args:
@@ -98,7 +98,7 @@ def shard(
         TypeError: unsupported optimizer class, or arguments of the wrong type.
         ValueError: stage 0, parameters not in the model, on mixed devices, or listed twice;
             a device the process group cannot carry (a CPU model with an NCCL group), or
-            ``collectives="point_to_point"`` over NCCL (`zerolite.devices`).
+            ``collectives="point_to_point"`` over NCCL (`zerolite.comm.devices`).
         RuntimeError: the model was already sharded; ranks disagree (`RankMismatchError`).
 
     Example::
@@ -146,7 +146,7 @@ def _candidate_parameters(
     model: object, optimizer: object
 ) -> Iterator[torch.Tensor]:
     """The tensors whose device the flat buffers take, before anything is validated: the
-    optimizer's trainable ones first (as `zerolite.plan` takes them), then the model's.
+    optimizer's trainable ones first (as `zerolite.plan.shard_plan` takes them), then the model's.
     Never raises: odd input is refused later, inside the ranks' agreement."""
     optimizers = optimizer if isinstance(optimizer, (list, tuple)) else [optimizer]
     for opt in optimizers:
@@ -337,7 +337,7 @@ def _schedule_units(
     }
     # Weakly: the model's hooks keep the scheduler alive, and a strong reference from the
     # hooks (held by the model's registered ShardState) would keep the model alive forever
-    # (see zerolite.shard_state).
+    # (see zerolite.state.shard_state).
     owner = weakref.ref(scheduler)
 
     def on_bucket_complete(b: int) -> None:

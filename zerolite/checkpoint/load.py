@@ -41,12 +41,12 @@ from zerolite.checkpoint.range_reader import PieceReader, RangeReader
 from zerolite.checkpoint.residuals import apply_residuals, read_residuals
 from zerolite.checkpoint.save import model_only_tensors
 from zerolite.checkpoint.schedulers import apply_schedulers, plan_schedulers, restore_schedulers
-from zerolite.consensus import agreed
-from zerolite.meta_init import mark_loaded
+from zerolite.comm.consensus import agreed
+from zerolite.comm.small_exchange import all_gather_bytes
 from zerolite.optim.multi import class_name
 from zerolite.optim.sharded_optimizer import ShardedOptimizer, require_sharded_optimizer
-from zerolite.shard_state import Piece
-from zerolite.small_exchange import all_gather_bytes
+from zerolite.params.meta_init import mark_loaded
+from zerolite.state.shard_state import Piece
 
 __all__ = ["load"]
 
@@ -166,7 +166,7 @@ def load(
     """Restore ``model``, ``optimizer`` and ``schedulers`` from checkpoint ``path``.
 
     Every rank must call. Works at any world size, stage and bucket size relative to
-    the save, hybrid sharding included (`zerolite.hybrid`). RNG states (CPU, and CUDA where
+    the save, hybrid sharding included (`zerolite.comm.hybrid`). RNG states (CPU, and CUDA where
     the save had it and CUDA is available) are restored per rank when the world size is
     unchanged and the save was not hybrid (a hybrid save holds the first replica group's
     states only); otherwise every rank reseeds CPU and CUDA deterministically from the

@@ -22,9 +22,9 @@ from torch import nn
 from zerolite import phase_events
 from zerolite.checkpoint.format import CheckpointError
 from zerolite.checkpoint.save import model_only_tensors, state_dict_names
-from zerolite.consensus import agreed
-from zerolite.meta_init import mark_loaded
-from zerolite.shard_state import Piece, require_state
+from zerolite.comm.consensus import agreed
+from zerolite.params.meta_init import mark_loaded
+from zerolite.state.shard_state import Piece, require_state
 
 __all__ = ["load_pretrained"]
 

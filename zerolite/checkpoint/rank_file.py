@@ -30,7 +30,7 @@ from zerolite.checkpoint.groups import piece_groups
 from zerolite.checkpoint.residuals import residual_tensors
 from zerolite.checkpoint.shard_writer import LazyTensor
 from zerolite.optim.sharded_optimizer import ShardedOptimizer
-from zerolite.shard_state import Piece
+from zerolite.state.shard_state import Piece
 
 __all__ = ["RankFile", "model_only_tensors", "rank_file", "state_dict_names"]
 

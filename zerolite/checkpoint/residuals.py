@@ -1,14 +1,14 @@
 """Error-feedback residuals (``ZeroConfig.quantize_reduce``) in checkpoints.
 
 A rank's residual is what quantization lost of its own contributions to the other ranks'
-chunks (`zerolite.quantized_collectives`). Each rank's residuals are stored, keyed like
+chunks (`zerolite.comm.quantized`). Each rank's residuals are stored, keyed like
 everything else by parameter name and element range:
 ``residual/{name}/{start}-{end}`` (fp32). There are no residuals for this rank's own
 chunk (it never travels quantized).
 
 With hybrid sharding every rank has its own residuals, including replicas of the same
 shard, and two kinds: the shard group's (as above) and the cross-node step's
-(`zerolite.quantized_replicas`: what phase 1 lost of each piece sent to another replica,
+(`zerolite.comm.quantized_replicas`: what phase 1 lost of each piece sent to another replica,
 what phase 2 lost of this replica's reduced piece). Only the first replica group writes
 files, so at save the other replicas' residuals are gathered (over the replica group)
 onto the rank that writes their shard's file, which holds them all for the length of the
@@ -33,9 +33,9 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from zerolite.collectives import gather
-from zerolite.flat_buffer import FlatParamBuffer
+from zerolite.comm.collectives import gather
 from zerolite.optim.sharded_optimizer import ShardedOptimizer
+from zerolite.params.flat_buffer import FlatParamBuffer
 
 __all__ = ["residual_tensors", "gather_replica_residuals", "read_residuals", "apply_residuals"]
 

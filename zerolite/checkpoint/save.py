@@ -24,7 +24,7 @@ step 1 and runs steps 2-4 in a background thread, the ranks agreeing through mar
 files instead of collectives (`zerolite.checkpoint.async_save`).
 
 Every rank must call `save`; ranks learn of each other's failures at each phase, so a
-failed rank never leaves the others waiting. With hybrid sharding (`zerolite.hybrid`)
+failed rank never leaves the others waiting. With hybrid sharding (`zerolite.comm.hybrid`)
 the first replica group writes the files (one per shard rank: its replicas hold the same
 shards) and the other ranks only take part in the agreements; "rank 0" above is the
 first rank of the whole data-parallel group. Several machines need a shared filesystem
@@ -70,11 +70,11 @@ from zerolite.checkpoint.residuals import gather_replica_residuals
 from zerolite.checkpoint.schedulers import scheduler_entries
 from zerolite.checkpoint.shard_writer import layout, shard_chunks, write_shard
 from zerolite.checkpoint.staging import staging_area
-from zerolite.collectives import Group
-from zerolite.consensus import agreed
+from zerolite.comm.collectives import Group
+from zerolite.comm.consensus import agreed
+from zerolite.comm.small_exchange import all_gather_bytes
 from zerolite.optim.multi import class_name
 from zerolite.optim.sharded_optimizer import ShardedOptimizer
-from zerolite.small_exchange import all_gather_bytes
 
 # model_only_tensors and state_dict_names are imported from here by load, pretrained and
 # zerolite.full_state_dict.

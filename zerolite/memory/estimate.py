@@ -15,7 +15,7 @@ same padding, the same per-parameter master pieces on the chosen rank -- and cou
   the step; stage 2 two buckets (one filling, one in flight) and one autograd gradient of
   the largest parameter; stage 3 adds ``prefetch + 1`` gathered units plus the root;
   16-bit gradients add the fp32 upcast of one shard.
-- offloaded (``config.offload``): the pieces `zerolite.optim.offload` would move to the
+- offloaded (``config.offload``): the pieces `zerolite.state.offload` would move to the
   tier -- their per-element state, and their masters when 16-bit -- taken out of
   ``master`` and ``optimizer_state``; transient adds the streamed step's three chunks
   in flight (each at most the tier's size).
@@ -32,23 +32,23 @@ import dataclasses
 import torch
 from torch import nn
 
+from zerolite.comm.hybrid import shard_group_size
 from zerolite.config import ZeroConfig
-from zerolite.hybrid import shard_group_size
-from zerolite.layout import FlatLayout
 from zerolite.memory.footprint import MemoryBreakdown, formula, layout_imbalance
 from zerolite.optim.multi import inner_optimizers
-from zerolite.optim.offload import (
+from zerolite.optim.sharded_optimizer import require_sharded_optimizer
+from zerolite.plan.layout import FlatLayout
+from zerolite.plan.optimizers import NAMED, build_named, name_of, spec_of
+from zerolite.plan.owners import assign_owners
+from zerolite.plan.quantization import residual_numel
+from zerolite.plan.shard_plan import plan_layout
+from zerolite.plan.stages import STAGES
+from zerolite.state.offload import (
     OffloadLayout,
     chunk_bytes_for,
     offload_layout,
     state_fields,
 )
-from zerolite.optim.registry import NAMED, build_named, name_of, spec_of
-from zerolite.optim.sharded_optimizer import require_sharded_optimizer
-from zerolite.plan import plan_layout
-from zerolite.quantize_setup import residual_numel
-from zerolite.stages import STAGES
-from zerolite.tensor_layout import assign_owners
 
 __all__ = ["estimate", "state_bytes"]
 

@@ -12,7 +12,7 @@
 - ``residual``: ``ZeroConfig.quantize_reduce``'s error-feedback residuals, fp32, what this
   rank's contributions to the other ranks' chunks lost: 4 (N-1)/N bytes per parameter;
   with hybrid sharding over shard groups of k, 4 (k-1)/k within the group plus 4/k for
-  the quantized cross-node step (`zerolite.quantized_replicas`)
+  the quantized cross-node step (`zerolite.comm.quantized_replicas`)
   (``quantize_gather`` costs no residual, but in fp32 stages 1-2 it makes the master a
   copy: 4/N bytes per parameter under ``master``, 4/k with hybrid sharding);
 - ``transient``: buffers alive only around communication or the step (stage-2 gradient
@@ -21,7 +21,7 @@
 
 One field is not bytes: ``ownership_imbalance``, under whole-tensor ownership
 (``ZeroConfig.partition="tensor"``), is max / min over ranks of the trained elements each
-rank owns (`zerolite.tensor_layout.imbalance`; 1.0 under ``"flat"``): the rank owning the
+rank owns (`zerolite.plan.owners.imbalance`; 1.0 under ``"flat"``): the rank owning the
 most holds that much more master, gradient shard and optimizer state than the lightest.
 
 With ``ZeroConfig(offload=...)``, ``offloaded`` is the tier's bytes (per-element
@@ -30,13 +30,13 @@ optimizer state, and 16-bit masters, of the offloaded pieces): their own line,
 outside ``model_states`` and ``total``. (A ``"host"`` arena of a CPU model is host
 memory all the same: the process RSS includes it.) Both are the bytes actually allocated:
 the arena is never pinned, and ``offload_staging`` -- the streamed step's three staging
-buffers, host memory pinned at exactly their size for a CUDA model (`zerolite.pinned`),
+buffers, host memory pinned at exactly their size for a CUDA model (`zerolite.state.pinned`),
 allocated at the first step -- is its own line too.
 
 `footprint` counts each distinct storage once (``untyped_storage().data_ptr()``), in
 the order of the fields above: a view shares its base's storage and is not counted
 again. `formula` is DESIGN §3's table for Adam-style state (8 bytes per parameter);
-what each stage shards is `zerolite.stages.STAGES`, state bytes `zerolite.optim.registry`.
+what each stage shards is `zerolite.plan.stages.STAGES`, state bytes `zerolite.plan.optimizers`.
 """
 
 from __future__ import annotations
@@ -47,11 +47,11 @@ from fractions import Fraction
 
 import torch
 
-from zerolite.layout import FlatLayout
-from zerolite.optim.registry import STATE_BYTES_PER_PARAM
 from zerolite.optim.sharded_optimizer import ShardedOptimizer, require_sharded_optimizer
-from zerolite.stages import STAGES
-from zerolite.tensor_layout import imbalance
+from zerolite.plan.layout import FlatLayout
+from zerolite.plan.optimizers import STATE_BYTES_PER_PARAM
+from zerolite.plan.owners import imbalance
+from zerolite.plan.stages import STAGES
 
 __all__ = ["MemoryBreakdown", "footprint", "formula", "offload_label", "STATE_BYTES_PER_PARAM"]
 
@@ -219,7 +219,7 @@ def formula(
             residual per parameter and other rank, 4 (N-1)/N bytes per parameter; with
             hybrid sharding, 4 (k-1)/k within the shard group plus 4/k for the cross-node
             step (when N > k).
-        shard_group_size: k, hybrid sharding (`zerolite.hybrid`): states are sharded over
+        shard_group_size: k, hybrid sharding (`zerolite.comm.hybrid`): states are sharded over
             k ranks, not N (stage 3 in fp32 with Adam: 16Ψ/k); None means N.
     Returns:
         A `MemoryBreakdown` with ``transient = 0``. Example: 7.5e9 parameters, N=64,

@@ -6,11 +6,11 @@ depends on element ``i``'s gradient and state alone. Adafactor (factored second
 moments of 2-D weights), Muon (orthogonalises whole matrices), LBFGS (global line
 search) and SparseAdam (sparse gradients) are not. A deny-list would let the next
 non-elementwise optimizer, or a user subclass that overrides ``step``, run silently
-wrong, so the check is an allow-list of exact classes (`zerolite.optim.registry`),
+wrong, so the check is an allow-list of exact classes (`zerolite.plan.optimizers`),
 extendable by the user.
 
 With ``ZeroConfig.partition="tensor"`` each parameter is stepped whole, in its own shape,
-on one rank (`zerolite.tensor_layout`): any optimizer whose step treats each parameter
+on one rank (`zerolite.plan.owners`): any optimizer whose step treats each parameter
 tensor on its own is then exact (Muon, Adafactor, a user's subclass). Only optimizers that
 couple parameters stay refused there (`check_tensor_optimizer`).
 """
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from zerolite.optim.registry import ELEMENTWISE_OPTIMIZERS
+from zerolite.plan.optimizers import ELEMENTWISE_OPTIMIZERS
 
 __all__ = ["ELEMENTWISE_OPTIMIZERS", "check_optimizer", "check_tensor_optimizer", "is_elementwise"]
 

@@ -24,19 +24,19 @@ from typing import Any
 
 import torch
 
-from zerolite.bucket import GradBucket
-from zerolite.collectives import Group
+from zerolite.comm.collectives import Group
 from zerolite.config import ZeroConfig
-from zerolite.flat_buffer import FlatParamBuffer
-from zerolite.grad_reducer import GradReducer
-from zerolite.hooks import KeepFullGrads, ShardGradsInBackward
+from zerolite.grads.bucket import GradBucket
+from zerolite.grads.hooks import KeepFullGrads, ShardGradsInBackward
+from zerolite.grads.reducer import GradReducer
 from zerolite.optim.grad_clip import clip_coefficient, global_grad_norm
 from zerolite.optim.loss_scale import DynamicLossScaler
-from zerolite.optim.master import MasterShard
 from zerolite.optim.optimizer_hooks import init_optimizer_hooks
 from zerolite.optim.state_dict import load_sharded_state_dict, sharded_state_dict
 from zerolite.optim.streamed_step import stream_step
-from zerolite.shard_state import ShardState
+from zerolite.params.flat_buffer import FlatParamBuffer
+from zerolite.state.master import MasterShard
+from zerolite.state.shard_state import ShardState
 
 __all__ = ["ShardedOptimizer", "require_sharded_optimizer"]
 
@@ -101,7 +101,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def defaults(self, value: dict[str, Any]) -> None:
         self.optimizer.defaults = value
 
-    # -- the model's ShardState (zerolite.shard_state) ----------------------------------
+    # -- the model's ShardState (zerolite.state.shard_state) ----------------------------------
     @property
     def config(self) -> ZeroConfig:
         return self.shard_state.config

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from zerolite.consensus import agreed
+from zerolite.comm.consensus import agreed
 
 if TYPE_CHECKING:
     from zerolite.optim.sharded_optimizer import ShardedOptimizer

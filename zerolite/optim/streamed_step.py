@@ -33,8 +33,8 @@ from typing import Any
 
 import torch
 
-from zerolite.optim.master import MasterShard
-from zerolite.optim.offload import MASTER, OffloadTier
+from zerolite.state.master import MasterShard
+from zerolite.state.offload import MASTER, OffloadTier
 
 __all__ = ["stream_step"]
 

@@ -11,7 +11,7 @@ keeps per element) and, for 16-bit parameters, their fp32 master in an *arena*:
 - ``"host"``: one host tensor (never pinned: only the host touches it).
 
 For a CUDA model the streamed step's three staging buffers are pinned, at exactly their
-size (`zerolite.pinned`), so its device copies are asynchronous.
+size (`zerolite.state.pinned`), so its device copies are asynchronous.
 
 What stays resident: scalar state (a piece's ``step``) in ``optimizer.state``, fp32
 masters that are the parameters themselves, and, in 16-bit, a meta placeholder for each
@@ -37,14 +37,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from zerolite.config import ZeroConfig
-from zerolite.layout import FlatLayout
-from zerolite.optim.arena import DiskArena, HostArena
-from zerolite.pinned import host_buffer, pinning_available
+from zerolite.plan.layout import FlatLayout
+from zerolite.state.arena import DiskArena, HostArena
+from zerolite.state.pinned import host_buffer, pinning_available
 
 if TYPE_CHECKING:
-    from zerolite.collectives import Group
-    from zerolite.optim.master import MasterShard
-    from zerolite.plan import ShardPlan
+    from zerolite.comm.collectives import Group
+    from zerolite.plan.shard_plan import ShardPlan
+    from zerolite.state.master import MasterShard
 
 __all__ = [
     "OffloadLayout",
@@ -273,7 +273,8 @@ class OffloadTier:
         return self._threads
 
     def staging_buffer(self, nbytes: int) -> torch.Tensor:
-        """A staging buffer of exactly ``nbytes``: pinned for a CUDA model (`zerolite.pinned`)."""
+        """A staging buffer of exactly ``nbytes``: pinned for a CUDA model
+        (`zerolite.state.pinned`)."""
         return host_buffer(nbytes, pinned=self.device.type == "cuda")
 
     @property
@@ -392,7 +393,7 @@ def build_tier(
 ) -> OffloadTier:
     """The tier for ``layout``, holding the offloaded pieces' masters (16-bit: their
     values from the parameter shard) and any state the optimizer already had."""
-    from zerolite.shard_state import pieces_of  # shard_state imports this module's types
+    from zerolite.state.shard_state import pieces_of  # shard_state imports this module's types
 
     tier = OffloadTier(layout, config, masters[0].flat.data.device if masters else
                        torch.device("cpu"), group.rank)

@@ -2,9 +2,9 @@
 ``shard_group_size``).
 
 After the within-group reduce-scatter, each rank holds its gradient shard (``S``
-elements) averaged over its shard group; `zerolite.hybrid.average_across_replicas`
+elements) averaged over its shard group; `zerolite.comm.hybrid.average_across_replicas`
 all-reduces it across the replica group (``R`` ranks holding the same shard index, one
-per "node"). Here the same mean travels as int8 blocks (`zerolite.quantize`), in two
+per "node"). Here the same mean travels as int8 blocks (`zerolite.comm.codec`), in two
 phases over the replica group, the shard cut into ``R`` pieces of ``C = ceil(S / R)``
 elements (the last padded with zeros):
 
@@ -26,17 +26,17 @@ Error feedback (``error_feedback``) covers both phases: phase 1 carries what eac
 contribution lost (``R - 1`` rows, one per other replica), phase 2 what the reduced
 piece lost (one row): a ``(R, C)`` fp32 residual per bucket, about ``S`` elements.
 Non-finite values are sent as NaN blocks (every replica's step sees them) and zeroed in
-the residual, as `zerolite.quantized_collectives` does.
+the residual, as `zerolite.comm.quantized` does.
 """
 
 from __future__ import annotations
 
 import torch
 
-from zerolite.collectives import Group, Pending, _chunk
-from zerolite.layout import FlatLayout
-from zerolite.quantize import ChunkCodec, WireFormat, raw_ranges
-from zerolite.quantized_collectives import quantized_all_gather, quantized_reduce_scatter_avg
+from zerolite.comm.codec import ChunkCodec, WireFormat, raw_ranges
+from zerolite.comm.collectives import Group, Pending, _chunk
+from zerolite.comm.quantized import quantized_all_gather, quantized_reduce_scatter_avg
+from zerolite.plan.layout import FlatLayout
 
 __all__ = ["replica_wire", "replica_residual_shape", "quantized_average_across_replicas"]
 
@@ -79,7 +79,7 @@ def quantized_average_across_replicas(
     key: int,
     what: str,
 ) -> Pending:
-    """`zerolite.hybrid.average_across_replicas`, quantized (see the module docstring).
+    """`zerolite.comm.hybrid.average_across_replicas`, quantized (see the module docstring).
 
     Args:
         inner: the shard group's reduction into ``out``.
@@ -87,7 +87,7 @@ def quantized_average_across_replicas(
             the mean over every data-parallel rank, equal bitwise on every replica.
         wire: `replica_wire` of this bucket (raw elements in ``out``'s dtype).
         residual: `replica_residual_shape` fp32, or None (no error feedback).
-        group: the shard group (a `zerolite.hybrid.LinkedGroup`); returns ``inner`` when
+        group: the shard group (a `zerolite.comm.hybrid.LinkedGroup`); returns ``inner`` when
             it has no replica group of more than one rank.
         key, what: the bucket's exchange key and description (errors, tags).
     Every rank of the replica group calls, in the same order relative to zerolite's other

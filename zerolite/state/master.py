@@ -5,14 +5,14 @@ the optimizer's update lands in the parameters directly). With 16-bit parameters
 an fp32 copy, and `write_back` casts it down into the parameter shard after each step.
 
 The user's optimizer does not step the master as one tensor but as *pieces*: one 1-D
-view per parameter intersecting this shard (see `zerolite.layout.ParamPiece`). Each
+view per parameter intersecting this shard (see `zerolite.plan.layout.ParamPiece`). Each
 piece carries its parameter's optimizer state, step count and param group, so a
 parameter that received no gradient is skipped exactly as torch skips it, and a
 checkpoint can name state by parameter and element range. Under whole-tensor ownership
 (``ZeroConfig.partition="tensor"``) a piece is a whole parameter and is viewed in the
 parameter's shape, so shape-aware optimizers (Muon, Adafactor) step it as the matrix it is.
 
-With an offload tier (`zerolite.optim.offload`) the first ``offloaded`` pieces step by
+With an offload tier (`zerolite.state.offload`) the first ``offloaded`` pieces step by
 streaming instead (`zerolite.optim.streamed_step`): they get no ``.grad`` here, and with
 16-bit parameters their master is not kept at all (a meta placeholder stands in the
 param group; the tier holds the values).
@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import torch
 
-from zerolite.flat_buffer import FlatParamBuffer
-from zerolite.layout import ParamPiece
+from zerolite.params.flat_buffer import FlatParamBuffer
+from zerolite.plan.layout import ParamPiece
 
 __all__ = ["MasterShard"]
 

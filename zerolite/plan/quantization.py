@@ -4,7 +4,7 @@
 lines every rank must agree on (run inside `shard()`'s agreement, before anything
 changes); `install_quantization` gives each flat buffer its gather `WireFormat` and each
 gradient bucket its reduce `WireFormat` and error-feedback residual, and with hybrid
-sharding the wire and residual of its cross-node step (`zerolite.quantized_replicas`).
+sharding the wire and residual of its cross-node step (`zerolite.comm.quantized_replicas`).
 
 Nothing is quantized at world size 1 (nothing travels).
 """
@@ -14,12 +14,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from zerolite.bucket import GradBucket
-from zerolite.collectives import Group
+from zerolite.comm.codec import WireFormat
+from zerolite.comm.collectives import Group
+from zerolite.comm.quantized_replicas import replica_residual_shape, replica_wire
 from zerolite.config import ZeroConfig
-from zerolite.flat_buffer import FlatParamBuffer
-from zerolite.quantize import WireFormat
-from zerolite.quantized_replicas import replica_residual_shape, replica_wire
+from zerolite.grads.bucket import GradBucket
+from zerolite.params.flat_buffer import FlatParamBuffer
 
 __all__ = ["describe_quantization", "install_quantization", "residual_numel"]
 
@@ -73,7 +73,7 @@ def install_quantization(
 ) -> None:
     """Attach wire formats (and residuals) to ``flats`` (every gathered buffer, frozen ones
     included) and ``buckets``: the shard group's exchanges, and with hybrid sharding the
-    gradient shards' cross-node step (`zerolite.quantized_replicas`). Local; every rank
+    gradient shards' cross-node step (`zerolite.comm.quantized_replicas`). Local; every rank
     computes the same formats as the ranks it exchanges with."""
     replicas = group.replicas.size if group.replicas is not None else 1
     if not config.quantizes or (group.size == 1 and replicas == 1):

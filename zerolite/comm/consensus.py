@@ -17,9 +17,9 @@ import hashlib
 import json
 from collections.abc import Iterator
 
-from zerolite.collectives import Group
+from zerolite.comm.collectives import Group
+from zerolite.comm.small_exchange import all_gather_bytes
 from zerolite.errors import RankMismatchError
-from zerolite.small_exchange import all_gather_bytes
 
 __all__ = ["RankMismatchError", "agree", "agreed"]
 

@@ -1,9 +1,9 @@
-"""The quantized variants of `zerolite.collectives`' two data-path exchanges.
+"""The quantized variants of `zerolite.comm.collectives`' two data-path exchanges.
 
 Same contracts as `reduce_scatter_avg` and `all_gather_inplace` (1-D buffers of ``N``
 equal chunks, asynchronous launch, a `Pending` to wait on, tags and sequence numbers of
 [Note: lockstep]), but each chunk travels as one message of a `WireFormat`
-(`zerolite.quantize`): int8 blocks, fp32 scales, skipped parameters raw.
+(`zerolite.comm.codec`): int8 blocks, fp32 scales, skipped parameters raw.
 
 - `quantized_all_gather`: rank ``r`` encodes chunk ``r``; every rank, ``r`` included,
   decodes every chunk into the full buffer, so all ranks hold the same values.
@@ -22,8 +22,8 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
-from zerolite.collectives import Group, Pending, _all_gather_flat, _chunk, _tag
-from zerolite.quantize import ChunkCodec, WireFormat
+from zerolite.comm.codec import ChunkCodec, WireFormat
+from zerolite.comm.collectives import Group, Pending, _all_gather_flat, _chunk, _tag
 
 __all__ = ["quantized_all_gather", "quantized_reduce_scatter_avg"]
 
@@ -96,7 +96,7 @@ def quantized_all_gather(
             rank's input, and is overwritten with its own dequantized values at `wait`
             like every other chunk. Must not be read or written until `wait`.
         wire: the buffer's `WireFormat` (raw elements in ``full``'s dtype).
-        group, key, what: as `zerolite.collectives.all_gather_inplace`; every rank calls.
+        group, key, what: as `zerolite.comm.collectives.all_gather_inplace`; every rank calls.
         residual: error feedback for this rank's chunk (1-D fp32, ``S``; see
             `encode_with_feedback`), or None. Parameters (whose masters stay exact) use none.
     """
@@ -138,7 +138,7 @@ def quantized_reduce_scatter_avg(
         residual: error feedback: ``(N - 1, S)`` fp32, row ``k - 1`` is what quantization
             lost of the chunk sent to rank ``rank + k`` last time; added to this
             contribution before quantizing and replaced by this one's loss. None: none.
-        group, key, what: as `zerolite.collectives.reduce_scatter_avg`; every rank calls.
+        group, key, what: as `zerolite.comm.collectives.reduce_scatter_avg`; every rank calls.
     """
     n = group.size
     shard = out.numel()

@@ -14,18 +14,18 @@ import dataclasses
 import torch
 from torch import nn
 
+from zerolite.comm.devices import buffer_device
+from zerolite.comm.hybrid import data_parallel_group
 from zerolite.config import ZeroConfig
-from zerolite.devices import buffer_device
-from zerolite.hybrid import data_parallel_group
-from zerolite.layout import size_partition
-from zerolite.meta_init import check_meta_build, check_nothing_on_meta
 from zerolite.optim.contract import check_optimizer, check_tensor_optimizer
 from zerolite.optim.multi import class_name, inner_optimizers
 from zerolite.optim.sharded_optimizer import ShardedOptimizer
-from zerolite.shard_state import state_of
-from zerolite.stages import STAGES
-from zerolite.tensor_layout import resolve_partition
-from zerolite.units import Unit, find_units
+from zerolite.params.meta_init import check_meta_build, check_nothing_on_meta
+from zerolite.plan.layout import size_partition
+from zerolite.plan.owners import resolve_partition
+from zerolite.plan.stages import STAGES
+from zerolite.plan.units import Unit, find_units
+from zerolite.state.shard_state import state_of
 
 __all__ = ["ShardPlan", "plan_layout"]
 
@@ -44,8 +44,9 @@ class ShardPlan:
     frozen_flat_params: list[list[tuple[str, nn.Parameter]]] = dataclasses.field(
         default_factory=list
     )
-    on_meta: bool = False  # built under torch.device("meta"): materialised by zerolite.meta_init
-    # "flat" (equal 1-D shards) or "tensor" (whole parameters to owners: zerolite.tensor_layout)
+    # built under torch.device("meta"): materialised by zerolite.params.meta_init
+    on_meta: bool = False
+    # "flat" (equal 1-D shards) or "tensor" (whole parameters to owners: zerolite.plan.owners)
     partition: str = "flat"
 
     @property
@@ -122,7 +123,7 @@ def plan_layout(
     Args:
         model, optimizer, config: as `zerolite.shard`.
         device: where the flat buffers live, as `shard()` decided it for its group
-            (`zerolite.devices.buffer_device`); None decides it here the same way.
+            (`zerolite.comm.devices.buffer_device`); None decides it here the same way.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"shard() needs an nn.Module as model, got {type(model).__name__}")

@@ -1,7 +1,7 @@
 """Where an offload tier keeps its bytes: a preallocated file, or a host tensor.
 
 Both take and fill CPU tensors of any dtype at byte offsets, from any thread; the
-layout of what lies where is `zerolite.optim.offload`'s.
+layout of what lies where is `zerolite.state.offload`'s.
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ class DiskArena:
 class HostArena:
     """One host byte tensor holding the offloaded state. Never pinned, for a CUDA model
     too: only the host reads and writes it (device copies go through the streamed step's
-    pinned staging buffers, `zerolite.pinned`), and pinned memory from torch's caching
+    pinned staging buffers, `zerolite.state.pinned`), and pinned memory from torch's caching
     host allocator would reserve the next power of two above ``nbytes``."""
 
     def __init__(self, nbytes: int) -> None:

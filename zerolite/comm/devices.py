@@ -11,7 +11,7 @@ Two devices matter, and this module is the only place that decides them:
 - the *communication device* of small exchanges (the step's agreement flags and
   counters, norms, overflow flags, digests of plans, generator states): the buffer device
   when its backend is not gloo (NCCL carries CUDA tensors only), else the CPU (gloo's
-  fastest path). `zerolite.small_exchange` moves every small exchange there and back.
+  fastest path). `zerolite.comm.small_exchange` moves every small exchange there and back.
 
 [Note: backends of a process group] ``dist.get_backend(pg)`` is not enough to tell what a
 group can carry. On torch 2.13 it is ``"gloo"`` or ``"nccl"`` for a group created with that
@@ -104,12 +104,13 @@ def buffer_device(
 
     Never raises on odd input (`shard()` calls it before its validation, to know where the
     ranks' agreement travels): a model with no parameters gets ``configured`` or the CPU;
-    on mixed devices the first parameter's device (`zerolite.plan` then refuses the model).
+    on mixed devices the first parameter's device (`zerolite.plan.shard_plan` then refuses
+    the model).
 
     Args:
         parameters: the model's parameters, in registration order.
         configured: ``ZeroConfig.device``.
-        process_group: the data-parallel group (`zerolite.hybrid.data_parallel_group`).
+        process_group: the data-parallel group (`zerolite.comm.hybrid.data_parallel_group`).
     """
     if configured is not None:
         return _resolved(configured)

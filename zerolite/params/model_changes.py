@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from zerolite.grad_reducer import GradReducer
+from zerolite.grads.reducer import GradReducer
 
 __all__ = ["guard_conversions", "install_no_sync"]
 

@@ -22,7 +22,7 @@ checkpoint) is kept as an unreduced local gradient: the step boundary's agreemen
 on some rank, and every rank reduce-scatters every bucket once more. Correct, at the cost
 of one more round of communication for that step.
 
-Gradient arrival is recorded here and nowhere else: the hooks (`zerolite.hooks`) own
+Gradient arrival is recorded here and nowhere else: the hooks (`zerolite.grads.hooks`) own
 ``param.grad`` and hand each gradient over with one call (`add_grad` in backward;
 `add_unhooked_grad` or `set_full_grads` at the step boundary); only this class and the
 buckets themselves change a bucket's counters or the used-flags.
@@ -39,11 +39,11 @@ from collections import deque
 
 import torch
 
-from zerolite.bucket import GradBucket
-from zerolite.collectives import Group
+from zerolite.comm.collectives import Group
+from zerolite.comm.small_exchange import exchange_small
 from zerolite.compile_guard import not_compiled
 from zerolite.errors import RankMismatchError
-from zerolite.small_exchange import exchange_small
+from zerolite.grads.bucket import GradBucket
 
 __all__ = ["GradReducer"]
 

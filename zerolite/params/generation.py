@@ -32,7 +32,7 @@ from typing import Any
 import torch.distributed as dist
 from torch import nn
 
-from zerolite.collectives import Group
+from zerolite.comm.collectives import Group
 
 __all__ = ["SyncedGenerate", "install_synced_generate"]
 

@@ -8,7 +8,7 @@ the parameters, and this rank's shard of the buffer is one contiguous slice.
 [Note: binding]
 A parameter is "bound" while its storage is the buffer at its layout offset. Anything
 that replaces ``param.data`` (``model.to(other_dtype)``, ``.half()``, ``.cuda()``, a
-user assignment) unbinds it; `unbound` detects this and `zerolite.model_changes` refuses
+user assignment) unbinds it; `unbound` detects this and `zerolite.params.model_changes` refuses
 the conversions before they happen.
 """
 
@@ -17,11 +17,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from zerolite.collectives import Group, Pending, all_gather_inplace
-from zerolite.layout import FlatLayout, ParamPiece
-from zerolite.owned_collectives import gather_from_owners
-from zerolite.quantize import WireFormat
-from zerolite.quantized_collectives import quantized_all_gather
+from zerolite.comm.codec import WireFormat
+from zerolite.comm.collectives import Group, Pending, all_gather_inplace
+from zerolite.comm.owned import gather_from_owners
+from zerolite.comm.quantized import quantized_all_gather
+from zerolite.plan.layout import FlatLayout, ParamPiece
 
 __all__ = ["FlatParamBuffer"]
 
@@ -35,7 +35,7 @@ class FlatParamBuffer:
         rank, world_size: this rank and the number of shards.
         dtype, device: of the buffer; parameters are copied (cast) into it.
         index: position of this buffer among all of the model's buffers.
-        owners: per parameter, the rank holding it whole (`zerolite.tensor_layout`);
+        owners: per parameter, the rank holding it whole (`zerolite.plan.owners`);
             None for equal 1-D shards.
     """
 

@@ -32,7 +32,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 from torch.utils.hooks import RemovableHandle
 
-from zerolite.grad_reducer import GradReducer
+from zerolite.grads.reducer import GradReducer
 
 __all__ = ["KeepFullGrads", "ShardGradsInBackward"]
 
@@ -64,7 +64,7 @@ class _GradHooks:
 
     def watch_root(self, model: nn.Module) -> None:
         """Hook ``model``'s forward: count forwards that build a graph (see
-        `zerolite.collectives.Group.forwards`) and run `_before_forward`."""
+        `zerolite.comm.collectives.Group.forwards`) and run `_before_forward`."""
         owner = weakref.ref(self)
 
         def pre_forward(module: nn.Module, args: Any) -> None:

@@ -59,11 +59,11 @@ import torch
 from torch import nn
 
 from zerolite import phase_events
-from zerolite.collectives import Group
+from zerolite.comm.collectives import Group
+from zerolite.comm.small_exchange import exchange_small
 from zerolite.config import ZeroConfig
-from zerolite.flat_buffer import FlatParamBuffer
-from zerolite.shard_state import state_of
-from zerolite.small_exchange import exchange_small
+from zerolite.params.flat_buffer import FlatParamBuffer
+from zerolite.state.shard_state import state_of
 
 __all__ = [
     "MetaBuild",
@@ -267,7 +267,7 @@ def materialize(
         init_fn: ``ZeroConfig.init_fn``.
     Returns:
         The flat buffers, in index order, and what is left uninitialised (a `MetaBuild`,
-        kept in the model's `zerolite.shard_state.ShardState`; `check_before_first_forward`
+        kept in the model's `zerolite.state.shard_state.ShardState`; `check_before_first_forward`
         arms the check).
     """
     flat_of = {id(p): i for i, params in enumerate(flat_params) for _, p in params}

@@ -6,7 +6,7 @@ world size ``N`` so that it splits into ``N`` equal, contiguous shards::
     |  p0  |    p1    | p2 |pad|          padded_numel = N * shard_numel
     |  rank 0 shard  |  rank 1 shard |     padding <= N - 1 elements
 
-With ``owners`` (``ZeroConfig.partition="tensor"``, see `zerolite.tensor_layout`) each
+With ``owners`` (``ZeroConfig.partition="tensor"``, see `zerolite.plan.owners`) each
 parameter lies whole in its owner's shard instead: parameters are ordered by owner, shard
 ``r`` is exactly rank ``r``'s parameters (uneven, possibly empty), and nothing is padded::
 

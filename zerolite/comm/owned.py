@@ -1,8 +1,8 @@
 """The two data-path exchanges for buffers split into *uneven* chunks (whole-tensor ownership).
 
-`zerolite.collectives` moves buffers that split into ``N`` equal chunks. Under
+`zerolite.comm.collectives` moves buffers that split into ``N`` equal chunks. Under
 ``ZeroConfig.partition="tensor"`` rank ``r``'s chunk is exactly the parameters it owns
-(`zerolite.tensor_layout`), so chunk sizes differ and some are empty. These are the same
+(`zerolite.plan.owners`), so chunk sizes differ and some are empty. These are the same
 two exchanges for such buffers, with the same contract (asynchronous, a `Pending` to wait
 on, bounded waits, [Note: lockstep] sequence numbers):
 
@@ -10,7 +10,7 @@ on, bounded waits, [Note: lockstep] sequence numbers):
 - `gather_from_owners`: every rank's chunk is copied into all ranks' buffers.
 
 Point-to-point groups (gloo) exchange chunks with tagged ``isend``/``irecv``, skipping empty
-chunks, and sum in a fixed order as `zerolite.collectives` does. Native groups (NCCL) run one
+chunks, and sum in a fixed order as `zerolite.comm.collectives` does. Native groups (NCCL) run one
 ``reduce`` / ``broadcast`` per non-empty owner chunk: torch's flat reduce-scatter and
 all-gather kernels need equal chunks.
 """
@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
-from zerolite.collectives import Group, Pending, _accumulate_dtype, _tag
+from zerolite.comm.collectives import Group, Pending, _accumulate_dtype, _tag
 
 __all__ = ["gather_from_owners", "reduce_to_owners"]
 
@@ -51,7 +51,7 @@ def reduce_to_owners(
             alive and unchanged until the returned handle is waited on.
         out: 1-D, ``sizes[group.rank]`` elements (possibly 0), same dtype and device.
         sizes: elements of each rank's chunk, in rank order; equal on every rank.
-        group, key, what: as `zerolite.collectives.reduce_scatter_avg` (every rank calls,
+        group, key, what: as `zerolite.comm.collectives.reduce_scatter_avg` (every rank calls,
             in the same order relative to zerolite's other exchanges).
     """
     n, rank = group.size, group.rank

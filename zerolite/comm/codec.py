@@ -29,7 +29,7 @@ from collections.abc import Sequence
 
 import torch
 
-from zerolite.layout import FlatLayout
+from zerolite.plan.layout import FlatLayout
 
 __all__ = [
     "quantize_blocks", "dequantize_blocks", "ChunkCodec", "WireFormat", "raw_ranges", "QMAX"
@@ -172,7 +172,7 @@ class WireFormat:
     @classmethod
     def of_chunks(cls, chunks: Sequence[ChunkCodec]) -> WireFormat:
         """The messages of any equal-length chunks (e.g. the pieces of one gradient shard
-        crossing a replica group, `zerolite.quantized_replicas`)."""
+        crossing a replica group, `zerolite.comm.quantized_replicas`)."""
         wire = cls.__new__(cls)
         wire.chunks = list(chunks)
         wire.message_bytes = -(-max(c.nbytes for c in wire.chunks) // 4) * 4

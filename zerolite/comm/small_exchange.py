@@ -2,15 +2,15 @@
 
 `exchange_small` is the only way zerolite exchanges small values across ranks. It takes
 them on any device, copies them to the group's communication device (`Group.device`,
-decided by `zerolite.devices`: the buffers' CUDA device on NCCL, the CPU on gloo), runs one
-collective there, waits ([Note: waits] in `zerolite.collectives`), and returns the result
+decided by `zerolite.comm.devices`: the buffers' CUDA device on NCCL, the CPU on gloo), runs one
+collective there, waits ([Note: waits] in `zerolite.comm.collectives`), and returns the result
 as a new CPU tensor: the caller's tensor is never modified, and decisions made from the
 result (skip the step, raise, clip) read host memory. On CUDA that read is the one host
 sync a decision needs; nothing else here synchronises.
 
 `all_gather_bytes` carries byte strings (plan digests, checkpoint records) on top of it.
 Data tensors (gradient buckets, flat buffers) never come here: they travel where they live
-(`zerolite.collectives`).
+(`zerolite.comm.collectives`).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
-from zerolite.collectives import Group, _wait
+from zerolite.comm.collectives import Group, _wait
 from zerolite.errors import RankMismatchError
 
 __all__ = ["SMALL_EXCHANGES", "all_gather_bytes", "exchange_small"]

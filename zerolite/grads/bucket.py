@@ -9,7 +9,7 @@ A bucket has two tensors:
   reduce-scatter that consumed it has finished.
 - ``shard``: 1-D, ``shard_numel`` elements in the reduce dtype: the average over ranks
   of this rank's chunk of ``full``, accumulated over reduce-scatters until `zero` (with
-  hybrid sharding, over every rank: see `zerolite.hybrid`).
+  hybrid sharding, over every rank: see `zerolite.comm.hybrid`).
 
 `launch` starts the reduce-scatter of ``full``; `wait` finishes it and adds the result
 into ``shard``. Exactly one of the two persists between steps (``keep_full``): stage 1
@@ -22,13 +22,13 @@ from __future__ import annotations
 
 import torch
 
-from zerolite.collectives import Group, Pending, reduce_scatter_avg
-from zerolite.flat_buffer import FlatParamBuffer
-from zerolite.hybrid import average_across_replicas
-from zerolite.owned_collectives import reduce_to_owners
-from zerolite.quantize import WireFormat
-from zerolite.quantized_collectives import quantized_reduce_scatter_avg
-from zerolite.quantized_replicas import quantized_average_across_replicas
+from zerolite.comm.codec import WireFormat
+from zerolite.comm.collectives import Group, Pending, reduce_scatter_avg
+from zerolite.comm.hybrid import average_across_replicas
+from zerolite.comm.owned import reduce_to_owners
+from zerolite.comm.quantized import quantized_reduce_scatter_avg
+from zerolite.comm.quantized_replicas import quantized_average_across_replicas
+from zerolite.params.flat_buffer import FlatParamBuffer
 
 __all__ = ["GradBucket"]
 

@@ -5,7 +5,7 @@ device, except ``step``: a 0-dim counter that stays on the CPU unless the group 
 ``fused`` or ``capturable`` (whose kernels read it on the device). A ``step`` moved to a
 CUDA device costs a host sync per parameter piece at every step (the optimizer reads it on
 the host to compute the bias correction). zerolite's loads (`zerolite.checkpoint.load`,
-through `zerolite.shard_state.Piece.write`) follow the same rule.
+through `zerolite.state.shard_state.Piece.write`) follow the same rule.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ j+2k, ...]``: the ranks holding shard j in every shard group). A 2-D ``DeviceMes
 
 Everything that is sharded -- flat buffers, masters, optimizer state, gradient shards --
 is sharded within the shard group, exactly as the flat stages shard over N ranks, so
-`zerolite.layout` and the stages see a group of size k and need nothing new. Two things
+`zerolite.plan.layout` and the stages see a group of size k and need nothing new. Two things
 change:
 
 - Gradients: each bucket is reduce-scattered within the shard group (the average over
@@ -16,7 +16,7 @@ change:
   R (`average_across_replicas`): the average over all N ranks, as DDP. Only Ψ/k
   elements per rank cross the slow link, 2 (R-1)/R Ψ/k per step. With
   ``quantize_reduce`` that step is a two-phase quantized mean instead
-  (`zerolite.quantized_replicas`): int8 blocks, bitwise-equal results on every replica.
+  (`zerolite.comm.quantized_replicas`): int8 blocks, bitwise-equal results on every replica.
 - Agreement: whatever all N ranks must agree on (the plan at `shard()`, the step's
   gradient flags and lockstep counters, checkpoints, rank 0's initial values) runs over
   ``group.world``. A flat `Group` is its own world.
@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from zerolite.collectives import Group, Pending, all_reduce
+from zerolite.comm.collectives import Group, Pending, all_reduce
 from zerolite.config import ZeroConfig
 
 __all__ = [

@@ -34,10 +34,10 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from zerolite.collectives import Group, Pending
+from zerolite.comm.collectives import Group, Pending
 from zerolite.compile_guard import not_compiled
-from zerolite.flat_buffer import FlatParamBuffer
-from zerolite.generation import install_synced_generate
+from zerolite.params.flat_buffer import FlatParamBuffer
+from zerolite.params.generation import install_synced_generate
 
 __all__ = ["UnitScheduler"]
 
@@ -99,7 +99,7 @@ class UnitScheduler:
                 self._handles.append(module.register_forward_hook(self._make_post_forward(i)))
             self._handles.append(module.register_state_dict_pre_hook(self._refuse_state_dict))
             self._handles.append(module.register_load_state_dict_pre_hook(self._refuse_load_state_dict))
-        # Ranks must forward in lockstep: see zerolite.generation (`remove()` undoes each).
+        # Ranks must forward in lockstep: see zerolite.params.generation (`remove()` undoes each).
         self.synced_generate = install_synced_generate(modules[self.root], group)
 
     # -- unshard / reshard -------------------------------------------------------------

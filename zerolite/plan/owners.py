@@ -4,9 +4,9 @@ A flat partition cuts every flat buffer into equal 1-D shards, which is exact on
 elementwise optimizers. Muon orthogonalises a whole matrix, Adafactor factors its second
 moment by rows and columns: their step needs the whole tensor. Under ``"tensor"`` each
 trained parameter lies whole in one *owner* rank's shard of its flat buffer (the buffer's
-parameters are ordered by owner, see `zerolite.layout.FlatLayout`'s ``owners``), so:
+parameters are ordered by owner, see `zerolite.plan.layout.FlatLayout`'s ``owners``), so:
 
-- gradients of a bucket are reduced to their owners (`zerolite.owned_collectives`),
+- gradients of a bucket are reduced to their owners (`zerolite.comm.owned`),
   still one exchange per bucket, launched as the bucket completes in backward;
 - the owner steps its parameters' fp32 masters in their own shapes with the user's
   optimizer;
@@ -30,7 +30,7 @@ from zerolite.optim.contract import is_elementwise
 
 if TYPE_CHECKING:
     from zerolite.config import ZeroConfig
-    from zerolite.plan import ShardPlan
+    from zerolite.plan.shard_plan import ShardPlan
 
 __all__ = ["assign_owners", "balance", "imbalance", "resolve_partition"]
 
@@ -68,7 +68,7 @@ def assign_owners(plan: ShardPlan, world_size: int) -> list[tuple[int, ...]]:
 
     Changes ``plan.flat_params`` in place (each buffer's parameters sorted by owner, stably,
     so the order within one owner is kept) and returns, per buffer, its parameters' owners
-    in the new order (the ``owners`` of its `zerolite.layout.FlatLayout`).
+    in the new order (the ``owners`` of its `zerolite.plan.layout.FlatLayout`).
     """
     flat = [p for params in plan.flat_params for _, p in params]
     owner_of = dict(zip((id(p) for p in flat), balance([p.numel() for p in flat], world_size)))

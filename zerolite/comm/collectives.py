@@ -1,7 +1,7 @@
 """Every communication call zerolite makes, in one place.
 
 Two primitives carry the data path, both on 1-D buffers that split into ``N`` equal
-chunks (chunk ``r`` is rank ``r``'s shard, see `zerolite.layout`):
+chunks (chunk ``r`` is rank ``r``'s shard, see `zerolite.plan.layout`):
 
 - `reduce_scatter_avg`: each rank contributes a full buffer; rank ``r`` receives the
   average over ranks of chunk ``r``.
@@ -19,7 +19,7 @@ fixed order, so results do not depend on message arrival.
 [Note: lockstep] Every rank issues zerolite's exchanges in the same order, so each has a
 sequence number that is equal on every rank (`Group.sequence`). Point-to-point messages
 are tagged with it, and the small exchanges carry it (the step's gradient agreement,
-`zerolite.small_exchange.all_gather_bytes`): a rank that skipped a step or an iteration
+`zerolite.comm.small_exchange.all_gather_bytes`): a rank that skipped a step or an iteration
 cannot pair its messages with another step's -- it raises `RankMismatchError`, or waits
 and times out.
 
@@ -30,9 +30,9 @@ the communicator on expiry), which would make every bucket wait, unshard and ste
 all-gather a host sync. Without one it makes the current CUDA stream wait for the exchange
 and returns at once; the process group's own timeout and NCCL's watchdog bound it.
 
-Where tensors live is `zerolite.devices`' decision (the group's buffer device and the
+Where tensors live is `zerolite.comm.devices`' decision (the group's buffer device and the
 communication device of small exchanges); small exchanges themselves are
-`zerolite.small_exchange`'s.
+`zerolite.comm.small_exchange`'s.
 
 Launches are asynchronous and return a `Pending`; callers decide when to `wait()`.
 With world size 1 (or no process group) nothing is communicated.
@@ -46,7 +46,7 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
-from zerolite.group import Group
+from zerolite.comm.group import Group
 
 __all__ = [
     "Pending",
@@ -242,7 +242,7 @@ def all_reduce(
 ) -> None:
     """In-place all-reduce of a data tensor where it lives (a gradient shard across replica
     groups), waited ([Note: waits]); no-op for one rank. Small values (flags, counters,
-    norms) go through `zerolite.small_exchange.exchange_small` instead."""
+    norms) go through `zerolite.comm.small_exchange.exchange_small` instead."""
     if group.size > 1:
         group.next_sequence()
         with record_function("zerolite::all_reduce"):

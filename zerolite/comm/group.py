@@ -1,9 +1,9 @@
 """`Group`: the communicator of one sharded model, as every exchange sees it.
 
-A process group with its rank, size and backends looked up once (`zerolite.devices`),
+A process group with its rank, size and backends looked up once (`zerolite.comm.devices`),
 where the model's flat buffers live and where its small exchanges run, how reduce-scatters
 and all-gathers travel (native kernels or point-to-point), how long a wait may take, and
-the lockstep counters of [Note: lockstep] in `zerolite.collectives`.
+the lockstep counters of [Note: lockstep] in `zerolite.comm.collectives`.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from zerolite.devices import backends_of, communication_device
+from zerolite.comm.devices import backends_of, communication_device
 from zerolite.errors import CollectiveTimeout
 
 __all__ = ["Group"]
@@ -29,7 +29,7 @@ class Group:
             torch.distributed is not initialised this is a group of one.
         collectives: ``"auto"``, ``"native"`` or ``"point_to_point"`` (`ZeroConfig`).
         timeout_s: the bound on every gloo wait, in seconds ([Note: waits]).
-        device: where the model's flat buffers live (`zerolite.devices.buffer_device`);
+        device: where the model's flat buffers live (`zerolite.comm.devices.buffer_device`);
             ``None``: the CPU.
     """
 
@@ -42,7 +42,7 @@ class Group:
         device: torch.device | None = None,
     ) -> None:
         self.pg = process_group
-        # Device type -> backend (`zerolite.devices`); {} without torch.distributed.
+        # Device type -> backend (`zerolite.comm.devices`); {} without torch.distributed.
         self.backends = backends_of(process_group)
         if self.backends:
             self.rank = dist.get_rank(process_group)
@@ -64,7 +64,7 @@ class Group:
         # False on NCCL: waits leave the bound to the process group ([Note: waits]).
         self.bounded_waits = self.backend != "nccl"
         # Lockstep counters, equal on every rank that runs the same loop, compared at each
-        # step (`zerolite.grad_reducer`): exchanges issued so far on this group, optimizer
+        # step (`zerolite.grads.reducer`): exchanges issued so far on this group, optimizer
         # steps completed (named in errors), and forwards started with gradients enabled
         # (a rank that raised in a forward and skipped the iteration issues the same
         # exchanges as its peers, one batch late: only this count tells).
@@ -72,12 +72,12 @@ class Group:
         self.step = 0
         self.forwards = 0
 
-    # Hybrid sharding (`zerolite.hybrid`): this shard group's replica group; None when flat.
+    # Hybrid sharding (`zerolite.comm.hybrid`): this shard group's replica group; None when flat.
     replicas: Group | None = None
 
     @property
     def world(self) -> Group:
-        """Every data-parallel rank: the group itself unless hybrid (`zerolite.hybrid`)."""
+        """Every data-parallel rank: the group itself unless hybrid (`zerolite.comm.hybrid`)."""
         return self
 
     def next_sequence(self) -> int:
@@ -90,7 +90,7 @@ class Group:
     @property
     def device(self) -> torch.device:
         """Where small exchanges (flags, counters, norms, bytes) run: the communication
-        device of `zerolite.devices` (the buffers' CUDA device on NCCL, else the CPU)."""
+        device of `zerolite.comm.devices` (the buffers' CUDA device on NCCL, else the CPU)."""
         return communication_device(self.buffer_device, self.backends)
 
     def prefix(self) -> str:

@@ -24,20 +24,20 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from zerolite.state_device import loaded_state
+from zerolite.state.state_device import loaded_state
 
 if TYPE_CHECKING:
-    from zerolite.collectives import Group
+    from zerolite.comm.collectives import Group
     from zerolite.config import ZeroConfig
-    from zerolite.flat_buffer import FlatParamBuffer
-    from zerolite.grad_reducer import GradReducer
-    from zerolite.hooks import KeepFullGrads, ShardGradsInBackward
-    from zerolite.layout import ParamPiece
-    from zerolite.meta_init import MetaBuild
-    from zerolite.optim.master import MasterShard
-    from zerolite.optim.offload import OffloadTier
+    from zerolite.grads.hooks import KeepFullGrads, ShardGradsInBackward
+    from zerolite.grads.reducer import GradReducer
     from zerolite.optim.sharded_optimizer import ShardedOptimizer
-    from zerolite.unit_scheduler import UnitScheduler
+    from zerolite.params.flat_buffer import FlatParamBuffer
+    from zerolite.params.meta_init import MetaBuild
+    from zerolite.params.unit_scheduler import UnitScheduler
+    from zerolite.plan.layout import ParamPiece
+    from zerolite.state.master import MasterShard
+    from zerolite.state.offload import OffloadTier
 
 __all__ = [
     "FrozenPiece",
@@ -121,7 +121,7 @@ class Piece:
         show the new masters after `ShardState.publish` (every rank must call it).
 
         State tensors go where torch's own ``load_state_dict`` puts them
-        (`zerolite.state_device`): the master's device, except a ``step`` counter,
+        (`zerolite.state.state_device`): the master's device, except a ``step`` counter,
         which stays on the CPU unless the group is fused or capturable."""
         assert self.optimizer_state is not None
         target: Any = self.optimizer_state
