@@ -37,9 +37,9 @@ from zerolite.config import ZeroConfig
 from zerolite.grads.bucket import GradBucket
 from zerolite.grads.hooks import KeepFullGrads, ShardGradsInBackward
 from zerolite.grads.reducer import GradReducer
-from zerolite.optim.multi import MultiOptimizer
+from zerolite.optim.multi import MultiOptimizer, class_name, inner_optimizers
 from zerolite.optim.repoint import repoint_optimizer
-from zerolite.optim.sharded_optimizer import ShardedOptimizer
+from zerolite.optim.sharded_optimizer import ShardedOptimizer, check_not_sharded
 from zerolite.params.flat_buffer import FlatParamBuffer
 from zerolite.params.meta_init import (
     check_before_first_forward,
@@ -47,13 +47,14 @@ from zerolite.params.meta_init import (
 )
 from zerolite.params.model_changes import guard_conversions, install_no_sync
 from zerolite.params.unit_scheduler import UnitScheduler
+from zerolite.plan.offload import OffloadLayout, plan_offload
 from zerolite.plan.owners import assign_owners
 from zerolite.plan.quantization import describe_quantization, install_quantization
 from zerolite.plan.shard_plan import ShardPlan, plan_layout
 from zerolite.plan.stages import STAGES
 from zerolite.plan.units import Unit
 from zerolite.state.master import MasterShard
-from zerolite.state.offload import OffloadLayout, build_tier, plan_offload
+from zerolite.state.offload import build_tier, check_offload
 from zerolite.state.shard_state import ShardState, pieces_of, register
 
 __all__ = ["shard"]
@@ -124,14 +125,19 @@ def shard(
             optimizer = MultiOptimizer(optimizer)
         k = shard_group_size(config, world.size)
         lines.append(f"shard_group_size: {k or world.size} of {world.size} ranks")
-        plan = plan_layout(model, optimizer, config, device=device)
-        lines += plan.describe(config, optimizer, model)
+        check_not_sharded(model, optimizer)
+        plan = plan_layout(model, inner_optimizers(optimizer), config, device=device)
+        lines += plan.describe(config, model, class_name(optimizer), optimizer.param_groups)
         lines += describe_quantization(config, model, plan.partition)
     group = sharding_group(world, k, config)
     offload = None
     # The tier is laid out over this rank's shard group; a bad directory raises on every rank.
     with agreed("zerolite.shard() (offload)", world):
-        offload = plan_offload(cast(ShardPlan, plan), optimizer, config, group)
+        offload = plan_offload(
+            cast(ShardPlan, plan), optimizer, config, rank=group.rank, world_size=group.size
+        )
+        if offload is not None:
+            check_offload(offload, config, cast(ShardPlan, plan).device)
     digest = hashlib.sha256("\n".join(lines).encode()).hexdigest()
     with phase_events.phase("build", device):
         sharded = _build(
@@ -171,7 +177,9 @@ def _build(
     policy = STAGES[config.stage]
     # Whole-tensor ownership: each buffer's parameters reordered by owner (before any buffer
     # exists: the order is the layout).
-    owners = assign_owners(plan, group.size) if plan.partition == "tensor" else None
+    if plan.partition == "tensor":
+        plan = assign_owners(plan, group.size)
+    owners = plan.owners
     all_flat_params = plan.all_flat_params
     unit_buffers = plan.unit_buffers()
 
@@ -225,7 +233,7 @@ def _build(
         optimizer, pieces_of(masters, optimizer.state), plan.group_of,
         [p for _, p in plan.frozen],
     )
-    tier = None if offload is None else build_tier(offload, masters, optimizer, config, group)
+    tier = None if offload is None else build_tier(offload, masters, optimizer, config, group.rank)
     for flat in flats:
         for p in flat.params:
             p.grad = None

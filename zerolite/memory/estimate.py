@@ -36,19 +36,19 @@ from zerolite.comm.hybrid import shard_group_size
 from zerolite.config import ZeroConfig
 from zerolite.memory.footprint import MemoryBreakdown, formula, layout_imbalance
 from zerolite.optim.multi import inner_optimizers
-from zerolite.optim.sharded_optimizer import require_sharded_optimizer
+from zerolite.optim.sharded_optimizer import check_not_sharded, require_sharded_optimizer
 from zerolite.plan.layout import FlatLayout
-from zerolite.plan.optimizers import NAMED, build_named, name_of, spec_of
-from zerolite.plan.owners import assign_owners
-from zerolite.plan.quantization import residual_numel
-from zerolite.plan.shard_plan import plan_layout
-from zerolite.plan.stages import STAGES
-from zerolite.state.offload import (
+from zerolite.plan.offload import (
     OffloadLayout,
     chunk_bytes_for,
     offload_layout,
     state_fields,
 )
+from zerolite.plan.optimizers import NAMED, build_named, name_of, spec_of
+from zerolite.plan.owners import assign_owners
+from zerolite.plan.quantization import residual_numel
+from zerolite.plan.shard_plan import plan_layout
+from zerolite.plan.stages import STAGES
 
 __all__ = ["estimate", "state_bytes"]
 
@@ -204,16 +204,14 @@ def estimate(
         opt = build_named(_formula_name(optimizer), list(model.parameters()))
     else:
         opt = optimizer
-    plan = plan_layout(model, opt, config)
-    owners = (
-        assign_owners(plan, shards)
-        if plan.partition == "tensor"
-        else [None] * len(plan.flat_params)
-    )
+    check_not_sharded(model, opt)
+    plan = plan_layout(model, inner_optimizers(opt), config)
+    if plan.partition == "tensor":
+        plan = assign_owners(plan, shards)
     root_last = STAGES[config.stage].shards_parameters  # the last buffer is the root unit's
     buffers = [
         _Buffer(
-            FlatLayout(tuple(p.numel() for _, p in params), shards, owners[b]),
+            plan.layout(b, shards),
             [plan.group_of[id(p)] for _, p in params],
             root=root_last and b == len(plan.flat_params) - 1,
         )

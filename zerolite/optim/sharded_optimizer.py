@@ -35,10 +35,11 @@ from zerolite.optim.optimizer_hooks import init_optimizer_hooks
 from zerolite.optim.state_dict import load_sharded_state_dict, sharded_state_dict
 from zerolite.optim.streamed_step import stream_step
 from zerolite.params.flat_buffer import FlatParamBuffer
+from zerolite.plan.inputs import check_model
 from zerolite.state.master import MasterShard
-from zerolite.state.shard_state import ShardState
+from zerolite.state.shard_state import ShardState, state_of
 
-__all__ = ["ShardedOptimizer", "require_sharded_optimizer"]
+__all__ = ["ShardedOptimizer", "check_not_sharded", "require_sharded_optimizer"]
 
 logger = logging.getLogger(__name__)
 
@@ -395,3 +396,20 @@ def require_sharded_optimizer(opt: object, caller: str) -> ShardedOptimizer:
             f"{type(opt).__name__}; pass opt = zerolite.shard(model, optimizer, config)"
         )
     return opt
+
+
+def check_not_sharded(model: object, optimizer: object) -> None:
+    """Refuse to shard ``model`` or ``optimizer`` a second time (`shard()` and ``estimate``).
+
+    Raises:
+        TypeError: ``model`` is not an ``nn.Module``; ``optimizer`` is a `ShardedOptimizer`.
+        RuntimeError: ``model`` was sharded already.
+    """
+    check_model(model)
+    if isinstance(optimizer, ShardedOptimizer):
+        raise TypeError("this optimizer is already a ShardedOptimizer; call shard() once per model")
+    if state_of(model) is not None:
+        raise RuntimeError(
+            "this model was already sharded by zerolite.shard(); shard() may be called once per "
+            "model (build a new model and optimizer to shard again)"
+        )

@@ -33,8 +33,9 @@ from typing import Any
 
 import torch
 
+from zerolite.plan.offload import MASTER
 from zerolite.state.master import MasterShard
-from zerolite.state.offload import MASTER, OffloadTier
+from zerolite.state.offload import OffloadTier
 
 __all__ = ["stream_step"]
 

@@ -52,7 +52,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import weakref
 from collections.abc import Callable, Iterator
 
 import torch
@@ -61,15 +60,12 @@ from torch import nn
 from zerolite import phase_events
 from zerolite.comm.collectives import Group
 from zerolite.comm.small_exchange import exchange_small
-from zerolite.config import ZeroConfig
 from zerolite.params.flat_buffer import FlatParamBuffer
 from zerolite.state.shard_state import state_of
 
 __all__ = [
     "MetaBuild",
     "check_before_first_forward",
-    "check_meta_build",
-    "check_nothing_on_meta",
     "mark_loaded",
     "materialize",
 ]
@@ -122,41 +118,6 @@ def mark_loaded(model: nn.Module, names: list[str] | None) -> None:
         build.uninitialised.clear()
     for name in names or []:
         build.uninitialised.pop(name, None)
-
-
-def check_meta_build(
-    model: nn.Module, optimizer: torch.optim.Optimizer, config: ZeroConfig
-) -> None:
-    """`shard()`'s validation of a meta build, before anything changes."""
-    for name, p in model.named_parameters():
-        if p.is_meta and (weakref.getweakrefs(p) or p._use_count() > 1):
-            raise ValueError(
-                f"meta parameter {name!r} is referenced elsewhere (a view of it, an autograd graph "
-                f"or a weak reference), so zerolite cannot give it storage in place; pass the "
-                f"model to shard() as built, before running it or taking views of its parameters"
-            )
-    if config.device is not None and config.device.type == "meta":
-        raise ValueError(
-            "ZeroConfig.device is 'meta'; name the device to materialise the model on, e.g. 'cpu' "
-            "or 'cuda'"
-        )
-    if any(optimizer.state.get(p) for group in optimizer.param_groups for p in group["params"]):
-        raise ValueError(
-            "the optimizer has state for parameters on the meta device (it has stepped on a meta "
-            "model?); build the optimizer on the meta model and pass it to shard() before any step"
-        )
-
-
-def check_nothing_on_meta(model: nn.Module, device: torch.device) -> None:
-    """A model that is not a meta build must have nothing on the meta device."""
-    for kind, named in (("parameter", model.named_parameters()), ("buffer", model.named_buffers())):
-        for name, t in named:
-            if t.is_meta:
-                raise ValueError(
-                    f"{kind} {name!r} is on the meta device while the trained parameters are on "
-                    f"{device}; build the whole model under torch.device('meta') (shard() then "
-                    f"materialises it) or give it storage before shard()"
-                )
 
 
 @contextlib.contextmanager

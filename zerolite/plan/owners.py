@@ -21,31 +21,14 @@ says how unequal; `zerolite.memory.footprint` and ``estimate`` report it.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-import torch
-
-from zerolite.optim.contract import is_elementwise
-
 if TYPE_CHECKING:
-    from zerolite.config import ZeroConfig
     from zerolite.plan.shard_plan import ShardPlan
 
-__all__ = ["assign_owners", "balance", "imbalance", "resolve_partition"]
-
-
-def resolve_partition(config: ZeroConfig, optimizers: Sequence[torch.optim.Optimizer]) -> str:
-    """``"flat"`` or ``"tensor"``: ``config.partition``, with ``"auto"`` resolved.
-
-    ``"auto"`` keeps the flat partition whenever it is exact (every optimizer elementwise:
-    zerolite's allow-list or ``config.elementwise_optimizers``), so existing setups are laid
-    out exactly as before, and owns whole tensors otherwise.
-    """
-    if config.partition != "auto":
-        return config.partition
-    flat = all(is_elementwise(o, config.elementwise_optimizers) for o in optimizers)
-    return "flat" if flat else "tensor"
+__all__ = ["assign_owners", "balance", "imbalance"]
 
 
 def balance(numels: Sequence[int], world_size: int) -> list[int]:
@@ -63,21 +46,21 @@ def balance(numels: Sequence[int], world_size: int) -> list[int]:
     return owners
 
 
-def assign_owners(plan: ShardPlan, world_size: int) -> list[tuple[int, ...]]:
-    """Give every trained parameter of ``plan`` an owner; reorder each buffer by owner.
+def assign_owners(plan: ShardPlan, world_size: int) -> ShardPlan:
+    """``plan`` with every trained parameter given an owner among ``world_size`` ranks.
 
-    Changes ``plan.flat_params`` in place (each buffer's parameters sorted by owner, stably,
-    so the order within one owner is kept) and returns, per buffer, its parameters' owners
-    in the new order (the ``owners`` of its `zerolite.plan.layout.FlatLayout`).
+    Returns a new plan (``plan`` is left as it was): each buffer's parameters sorted by
+    owner, stably (the order within one owner is kept), and ``owners`` holding, per buffer,
+    its parameters' owners in that order (the ``owners`` of its
+    `zerolite.plan.layout.FlatLayout`).
     """
     flat = [p for params in plan.flat_params for _, p in params]
     owner_of = dict(zip((id(p) for p in flat), balance([p.numel() for p in flat], world_size)))
-    out = []
-    for b, params in enumerate(plan.flat_params):
-        ordered = sorted(params, key=lambda item: owner_of[id(item[1])])
-        plan.flat_params[b] = ordered
-        out.append(tuple(owner_of[id(p)] for _, p in ordered))
-    return out
+    ordered = [
+        sorted(params, key=lambda item: owner_of[id(item[1])]) for params in plan.flat_params
+    ]
+    owners = [tuple(owner_of[id(p)] for _, p in params) for params in ordered]
+    return dataclasses.replace(plan, flat_params=ordered, owners=owners)
 
 
 def imbalance(chunk_sizes: Sequence[Sequence[int]], world_size: int) -> float:
