@@ -36,9 +36,9 @@ from zerolite.comm.collectives import Group, Pending
 from zerolite.comm.quantized_replicas import (
     quantized_average_across_replicas,
     replica_residual_shape,
-    replica_wire,
 )
 from zerolite.plan.layout import FlatLayout
+from zerolite.plan.quantization import replica_wire
 from zerolite.testing import run_ranks
 
 TIMEOUT = 120.0
@@ -160,7 +160,7 @@ def _residuals(opt) -> list[torch.Tensor]:
     return [
         t.clone()
         for b in opt.buckets
-        for t in (b.residual, b.replica_residual)
+        for t in (b.flat.exchange.residual, b.flat.exchange.replica_residual)
         if t is not None
     ]
 
@@ -191,8 +191,8 @@ def _resume_rank(root: str, drop: bool) -> dict:
     restored = all(torch.equal(a, b) for a, b in zip(saved, _residuals(opt)))
     if drop:
         for b in opt.buckets:
-            b.residual.zero_()
-            b.replica_residual.zero_()
+            b.flat.exchange.residual.zero_()
+            b.flat.exchange.replica_residual.zero_()
     resumed = parity.train(model, opt, data[3:], sliced=True)
     # Another layout (k = 4: no replicas): the saved residuals do not apply.
     model2, opt2 = build(dataclasses.replace(config, shard_group_size=None))

@@ -31,6 +31,7 @@ from zerolite import phase_events
 from zerolite.comm.collectives import Group, broadcast, broadcast_coalesced
 from zerolite.comm.consensus import agreed
 from zerolite.comm.devices import backends_of, buffer_device, check_buffer_device
+from zerolite.comm.exchange import Exchange, exchange_for
 from zerolite.comm.hybrid import data_parallel_group, shard_group_size, sharding_group
 from zerolite.compile_guard import exclude_from_compile, not_compiled
 from zerolite.config import ZeroConfig
@@ -49,7 +50,7 @@ from zerolite.params.model_changes import guard_conversions, install_no_sync
 from zerolite.params.unit_scheduler import UnitScheduler
 from zerolite.plan.offload import OffloadLayout, plan_offload
 from zerolite.plan.owners import assign_owners
-from zerolite.plan.quantization import describe_quantization, install_quantization
+from zerolite.plan.quantization import buffer_wires, describe_quantization, skipped_parameters
 from zerolite.plan.shard_plan import ShardPlan, plan_layout
 from zerolite.plan.stages import STAGES
 from zerolite.plan.units import Unit
@@ -179,13 +180,12 @@ def _build(
     # exists: the order is the layout).
     if plan.partition == "tensor":
         plan = assign_owners(plan, group.size)
-    owners = plan.owners
     all_flat_params = plan.all_flat_params
     unit_buffers = plan.unit_buffers()
+    exchanges = _choose_exchanges(model, plan, config, group)
 
     def make_flat(index: int) -> FlatParamBuffer:
-        owned = owners[index] if owners is not None and index < len(owners) else None
-        return _bound_flat(all_flat_params[index], index, group, config, plan.device, owned)
+        return _bound_flat(plan, index, exchanges[index], config)
 
     meta_build = None
     if plan.on_meta:
@@ -240,14 +240,12 @@ def _build(
     buckets = [
         GradBucket(
             flat,
-            group,
             full_dtype=policy.grad_dtype(config.param_dtype, config.grad_dtype),
             shard_dtype=config.grad_dtype,
             keep_full=not policy.shards_gradients,
         )
         for flat in flats
     ]
-    install_quantization(model, config, group, all_flats, buckets)
     reducer = GradReducer(buckets, group)
     grads = ShardGradsInBackward(reducer) if policy.shards_gradients else KeepFullGrads(reducer)
     scheduler = None
@@ -300,25 +298,43 @@ def _build(
     return sharded
 
 
+def _choose_exchanges(
+    model: nn.Module, plan: ShardPlan, config: ZeroConfig, group: Group
+) -> list[Exchange]:
+    """Each flat buffer's exchange ([Note: exchanges] in `zerolite.comm.exchange`): owned
+    chunks, int8 wires (`zerolite.plan.quantization`), a replica step when hybrid."""
+    skipped = skipped_parameters(model, config)
+    replicas = 1 if group.replicas is None else group.replicas.size
+    exchanges = []
+    for index, params in enumerate(plan.all_flat_params):
+        layout = plan.layout(index, group.size)
+        wires = buffer_wires(
+            [p for _, p in params], layout, config, trained=index < len(plan.flat_params),
+            skipped=skipped, shard_rank=group.rank, replicas=replicas,
+        )
+        exchanges.append(exchange_for(
+            group, index, device=plan.device, owner_sizes=layout.chunk_sizes,
+            gather_wire=wires.gather, reduce_wire=wires.reduce, replica_wire=wires.replica,
+            error_feedback=wires.error_feedback,
+        ))
+    return exchanges
+
+
 @torch.no_grad()
 def _bound_flat(
-    bucket: list[tuple[str, nn.Parameter]],
-    index: int,
-    group: Group,
-    config: ZeroConfig,
-    device: torch.device,
-    owners: tuple[int, ...] | None = None,
+    plan: ShardPlan, index: int, exchange: Exchange, config: ZeroConfig
 ) -> FlatParamBuffer:
-    """A flat buffer holding ``bucket``'s parameters, bound to them (their values copied in)."""
+    """Flat buffer ``index`` of ``plan``, bound to its parameters (their values copied in)."""
+    params = plan.all_flat_params[index]
     flat = FlatParamBuffer(
-        [p for _, p in bucket],
-        [n for n, _ in bucket],
-        rank=group.rank,
-        world_size=group.size,
+        [p for _, p in params],
+        [n for n, _ in params],
+        plan.layout(index, exchange.group.size),
+        rank=exchange.group.rank,
         dtype=config.param_dtype,
-        device=device,
+        device=plan.device,
         index=index,
-        owners=owners,
+        exchange=exchange,
     )
     flat.bind()
     return flat

@@ -10,10 +10,11 @@ and arrives as NaN in every element, so a non-finite gradient still makes the re
 gradient (and the gradient norm) non-finite, as it would unquantized. A block of zeros
 gets scale 0 and arrives as zeros.
 
-`WireFormat` says how one flat buffer's chunks travel: the elements of parameters that are
-skipped (fewer than ``B`` elements, or named in ``ZeroConfig.quantize_skip``) go raw, in
-their own dtype; the others are quantized in blocks of ``B`` consecutive elements of the
-chunk (a block may span two parameters). A chunk's message is one byte string::
+`WireFormat` says how one buffer's chunks travel: each chunk's `ChunkCodec` sends some
+element ranges raw, in their own dtype (`zerolite.plan.quantization` picks them: the
+elements of parameters of fewer than ``B`` elements or named in ``ZeroConfig.quantize_skip``)
+and quantizes the rest in blocks of ``B`` consecutive elements of the chunk (a block may
+span two parameters). A chunk's message is one byte string::
 
     [fp32 scales][raw elements][int8 codes][padding to the message size]
 
@@ -29,11 +30,7 @@ from collections.abc import Sequence
 
 import torch
 
-from zerolite.plan.layout import FlatLayout
-
-__all__ = [
-    "quantize_blocks", "dequantize_blocks", "ChunkCodec", "WireFormat", "raw_ranges", "QMAX"
-]
+__all__ = ["quantize_blocks", "dequantize_blocks", "ChunkCodec", "WireFormat", "QMAX"]
 
 QMAX = 127
 
@@ -148,59 +145,23 @@ def _scatter(values: torch.Tensor, ranges: list[tuple[int, int]], out: torch.Ten
 
 
 class WireFormat:
-    """The messages of one flat buffer's ``N`` chunks (one `ChunkCodec` each).
+    """The messages of a buffer's chunks (one `ChunkCodec` each, in chunk order): a flat
+    buffer's ``N`` chunks (`zerolite.plan.quantization.wire_format`), or the pieces of one
+    gradient shard crossing a replica group (`zerolite.plan.quantization.replica_wire`).
 
     Args:
-        layout: the flat buffer's layout (``world_size`` chunks of ``shard_numel``).
-        raw_params: indices (in the buffer) of the parameters that travel raw.
-        raw_dtype: the dtype they travel in (the buffer's, or the gradients' reduce dtype).
-        block: elements per quantization block.
+        chunks: the codecs; their chunks have equal lengths.
     Attributes:
         message_bytes: every chunk's message size (the largest `ChunkCodec.nbytes`,
             rounded up to 4 bytes).
     """
 
-    def __init__(
-        self, layout: FlatLayout, raw_params: set[int], raw_dtype: torch.dtype, block: int
-    ) -> None:
-        self.chunks: list[ChunkCodec] = [
-            ChunkCodec(layout.shard_numel, raw_ranges(layout, rank, raw_params), raw_dtype, block)
-            for rank in range(layout.world_size)
-        ]
+    def __init__(self, chunks: Sequence[ChunkCodec]) -> None:
+        self.chunks: list[ChunkCodec] = list(chunks)
         self.message_bytes = -(-max(c.nbytes for c in self.chunks) // 4) * 4
-
-    @classmethod
-    def of_chunks(cls, chunks: Sequence[ChunkCodec]) -> WireFormat:
-        """The messages of any equal-length chunks (e.g. the pieces of one gradient shard
-        crossing a replica group, `zerolite.comm.quantized_replicas`)."""
-        wire = cls.__new__(cls)
-        wire.chunks = list(chunks)
-        wire.message_bytes = -(-max(c.nbytes for c in wire.chunks) // 4) * 4
-        return wire
 
     def messages(self, device: torch.device) -> torch.Tensor:
         """An uninitialised ``(N, message_bytes)`` uint8 buffer: one row per chunk."""
         return torch.empty(
             (len(self.chunks), self.message_bytes), dtype=torch.uint8, device=device
         )
-
-
-def raw_ranges(layout: FlatLayout, rank: int, raw_params: set[int]) -> list[tuple[int, int]]:
-    """The element ranges of chunk ``rank`` of ``layout`` (chunk offsets, sorted, merged)
-    that belong to the parameters ``raw_params`` (indices in the buffer)."""
-    raw = [
-        (pc.shard_start, pc.shard_start + pc.numel)
-        for pc in layout.pieces(rank)
-        if pc.index in raw_params
-    ]
-    return _merged(raw)
-
-
-def _merged(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    out: list[tuple[int, int]] = []
-    for start, end in sorted(ranges):
-        if out and out[-1][1] == start:
-            out[-1] = (out[-1][0], end)
-        else:
-            out.append((start, end))
-    return out

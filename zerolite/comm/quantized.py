@@ -25,7 +25,7 @@ from torch.profiler import record_function
 from zerolite.comm.codec import ChunkCodec, WireFormat
 from zerolite.comm.collectives import Group, Pending, _all_gather_flat, _chunk, _tag
 
-__all__ = ["quantized_all_gather", "quantized_reduce_scatter_avg"]
+__all__ = ["quantized_all_gather", "quantized_reduce_scatter_avg", "residual_chunks"]
 
 
 def encode_with_feedback(
@@ -44,6 +44,13 @@ def encode_with_feedback(
     torch.sub(contribution, residual, out=residual)
     # A non-finite block is sent as NaN (never hidden); it must not poison later steps.
     torch.nan_to_num_(residual, nan=0.0, posinf=0.0, neginf=0.0)
+
+
+def residual_chunks(rank: int, world_size: int) -> list[int]:
+    """Which chunk each row of a reduce-scatter's error-feedback residual (``(N - 1, S)``)
+    belongs to, in row order: row ``k - 1`` is what quantization lost of the chunk rank
+    ``rank`` sends to rank ``rank + k``."""
+    return [(rank + k) % world_size for k in range(1, world_size)]
 
 
 def exchange_rows(

@@ -33,33 +33,13 @@ from __future__ import annotations
 
 import torch
 
-from zerolite.comm.codec import ChunkCodec, WireFormat, raw_ranges
+from zerolite.comm.codec import WireFormat
 from zerolite.comm.collectives import Group, Pending, _chunk
 from zerolite.comm.quantized import quantized_all_gather, quantized_reduce_scatter_avg
-from zerolite.plan.layout import FlatLayout
 
-__all__ = ["replica_wire", "replica_residual_shape", "quantized_average_across_replicas"]
-
-
-def replica_wire(
-    layout: FlatLayout,
-    shard_rank: int,
-    replicas: int,
-    raw_params: set[int],
-    raw_dtype: torch.dtype,
-    block: int,
-) -> WireFormat:
-    """How chunk ``shard_rank`` of ``layout`` crosses a replica group of ``replicas`` ranks:
-    ``replicas`` pieces of ``C = ceil(shard_numel / replicas)`` elements, one message each.
-    Equal on every rank of the replica group (they hold the same ``shard_rank``)."""
-    piece = -(-layout.shard_numel // replicas)
-    raw = raw_ranges(layout, shard_rank, raw_params)
-    chunks = []
-    for d in range(replicas):
-        lo, hi = d * piece, (d + 1) * piece
-        clipped = [(max(s, lo) - lo, min(e, hi) - lo) for s, e in raw if s < hi and e > lo]
-        chunks.append(ChunkCodec(piece, clipped, raw_dtype, block))
-    return WireFormat.of_chunks(chunks)
+__all__ = [
+    "quantized_average_across_replicas", "replica_residual_rows", "replica_residual_shape"
+]
 
 
 def replica_residual_shape(shard_numel: int, replicas: int) -> tuple[int, int]:
@@ -67,6 +47,14 @@ def replica_residual_shape(shard_numel: int, replicas: int) -> tuple[int, int]:
     ``k - 1`` (k = 1..R-1) is phase 1's loss on the piece sent to replica ``q + k``, row
     ``R - 1`` phase 2's loss on this replica's reduced piece."""
     return replicas, -(-shard_numel // replicas)
+
+
+def replica_residual_rows(replica: int, replicas: int) -> list[tuple[int, str]]:
+    """What each row of replica ``replica``'s residual (`replica_residual_shape`) holds, in
+    row order: ``(piece, "send")`` for phase 1's loss on the piece sent to another replica,
+    then ``(replica, "gather")`` for phase 2's loss on its own reduced piece."""
+    sent = [((replica + k) % replicas, "send") for k in range(1, replicas)]
+    return [*sent, (replica, "gather")]
 
 
 def quantized_average_across_replicas(
@@ -85,7 +73,8 @@ def quantized_average_across_replicas(
         inner: the shard group's reduction into ``out``.
         out: 1-D, ``S`` elements, any float dtype: this rank's gradient shard; at `wait`,
             the mean over every data-parallel rank, equal bitwise on every replica.
-        wire: `replica_wire` of this bucket (raw elements in ``out``'s dtype).
+        wire: how this shard's pieces travel (`zerolite.plan.quantization.replica_wire`;
+            raw elements in ``out``'s dtype).
         residual: `replica_residual_shape` fp32, or None (no error feedback).
         group: the shard group (a `zerolite.comm.hybrid.LinkedGroup`); returns ``inner`` when
             it has no replica group of more than one rank.

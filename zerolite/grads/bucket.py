@@ -22,12 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from zerolite.comm.codec import WireFormat
-from zerolite.comm.collectives import Group, Pending, reduce_scatter_avg
-from zerolite.comm.hybrid import average_across_replicas
-from zerolite.comm.owned import reduce_to_owners
-from zerolite.comm.quantized import quantized_reduce_scatter_avg
-from zerolite.comm.quantized_replicas import quantized_average_across_replicas
+from zerolite.comm.collectives import Pending
 from zerolite.params.flat_buffer import FlatParamBuffer
 
 __all__ = ["GradBucket"]
@@ -37,8 +32,8 @@ class GradBucket:
     """Gradient storage and reduction for one `FlatParamBuffer`.
 
     Args:
-        flat: the parameters' flat buffer (gives layout, params, device).
-        group: the data-parallel group.
+        flat: the parameters' flat buffer (gives layout, params, device, and the exchange
+            that reduce-scatters, `zerolite.comm.exchange`).
         full_dtype: dtype of ``full`` (must equal the param dtype when ``keep_full``,
             since ``param.grad`` views it).
         shard_dtype: dtype of the reduced ``shard`` (``ZeroConfig.grad_dtype``).
@@ -49,14 +44,12 @@ class GradBucket:
     def __init__(
         self,
         flat: FlatParamBuffer,
-        group: Group,
         *,
         full_dtype: torch.dtype,
         shard_dtype: torch.dtype,
         keep_full: bool,
     ) -> None:
         self.flat = flat
-        self.group = group
         self.full_dtype = full_dtype
         self.keep_full = keep_full
         device = flat.data.device
@@ -86,14 +79,6 @@ class GradBucket:
         self._arrived_count = 0
         self._result: torch.Tensor | None = None
         self._sent: torch.Tensor | None = None
-        # ZeroConfig.quantize_reduce: how reduce-scatters travel (None: unquantized), and
-        # the error-feedback residual, (N - 1, shard_numel) fp32 (see quantized_collectives).
-        self.wire: WireFormat | None = None
-        self.residual: torch.Tensor | None = None
-        # Hybrid sharding with quantize_reduce: how the shard crosses the replica group, and
-        # that step's residual, (R, ceil(shard_numel / R)) fp32 (see quantized_replicas).
-        self.replica_wire: WireFormat | None = None
-        self.replica_residual: torch.Tensor | None = None
 
     def full_buffer(self) -> torch.Tensor:
         """``full``, allocated on first use (padding zeroed; parameter regions are written by
@@ -148,7 +133,8 @@ class GradBucket:
         bucket the same number of times, in the same order relative to other buckets."""
         if self._pending is not None:
             raise RuntimeError(
-                f"{self.group.prefix()} bucket {self.flat.index} launched twice without wait()"
+                f"{self.flat.exchange.group.prefix()} bucket {self.flat.index} launched twice "
+                "without wait()"
             )
         full = self.full_buffer()
         if not self.keep_full:
@@ -165,24 +151,7 @@ class GradBucket:
         # Reduce straight into the shard when it holds nothing yet.
         out = self.shard if self.shard_is_zero else torch.empty_like(self.shard)
         what = f"the reduce-scatter of gradient bucket {self.flat.index}"
-        key = 2 * self.flat.index
-        sizes = self.flat.layout.chunk_sizes  # whole-tensor ownership: uneven chunks
-        if sizes is not None:
-            pending = reduce_to_owners(send, out, sizes, self.group, key=key, what=what)
-        elif self.wire is not None:
-            pending = quantized_reduce_scatter_avg(
-                send, out, self.wire, self.residual, self.group, key=key, what=what
-            )
-        else:
-            pending = reduce_scatter_avg(send, out, self.group, key=key, what=what)
-        # Hybrid sharding: then the mean across replica groups (no-op when flat).
-        if self.replica_wire is not None:
-            self._pending = quantized_average_across_replicas(
-                pending, out, self.replica_wire, self.replica_residual, self.group,
-                key=key, what=what,
-            )
-        else:
-            self._pending = average_across_replicas(pending, out, self.group, what=what)
+        self._pending = self.flat.exchange.reduce_scatter(send, out, what=what)
         self._result, self._sent = out, send
         self._reset_arrivals()
         self.unreduced = False

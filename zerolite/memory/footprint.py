@@ -159,7 +159,7 @@ def footprint(opt: ShardedOptimizer) -> MemoryBreakdown:
     grads = census.count(persistent + other_grads)
     state = census.count(_state_tensors(opt))
     residual = census.count(
-        [b.residual for b in opt.buckets] + [b.replica_residual for b in opt.buckets]
+        [r for flat in opt.flats for r in flat.exchange.residuals]
     )
     transient = census.count(
         [b.shard if b.keep_full else b.full for b in opt.buckets]

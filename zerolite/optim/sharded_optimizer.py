@@ -208,7 +208,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 self._step_masters(waiting)
                 waiting = []
             if master.flat.replicated:  # stage 3 keeps parameters sharded: nothing to gather
-                gathers.append(master.flat.all_gather(self.group))
+                gathers.append(master.flat.all_gather())
         self._step_masters(waiting)
         for gather in gathers:
             gather.wait()

@@ -51,8 +51,9 @@ def sharded_state_dict(opt: ShardedOptimizer) -> dict[str, Any]:
 
 def _residuals(opt: ShardedOptimizer) -> list[torch.Tensor]:
     """Every error-feedback residual: the shard group's, then (hybrid) the cross-node step's."""
-    within = [b.residual for b in opt.buckets if b.residual is not None]
-    return within + [b.replica_residual for b in opt.buckets if b.replica_residual is not None]
+    exchanges = [flat.exchange for flat in opt.flats]
+    within = [e.residual for e in exchanges if e.residual is not None]
+    return within + [e.replica_residual for e in exchanges if e.replica_residual is not None]
 
 
 def _group_names(opt: ShardedOptimizer) -> list[list[str]]:

@@ -17,10 +17,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from zerolite.comm.codec import WireFormat
-from zerolite.comm.collectives import Group, Pending, all_gather_inplace
-from zerolite.comm.owned import gather_from_owners
-from zerolite.comm.quantized import quantized_all_gather
+from zerolite.comm.collectives import Pending
+from zerolite.comm.exchange import Exchange
 from zerolite.plan.layout import FlatLayout, ParamPiece
 
 __all__ = ["FlatParamBuffer"]
@@ -32,30 +30,32 @@ class FlatParamBuffer:
     Args:
         params: the parameters, in buffer order; each appears once.
         names: their fully-qualified names (for errors and checkpoints).
-        rank, world_size: this rank and the number of shards.
+        layout: where each parameter and each rank's shard lie (`zerolite.plan.layout`).
+        rank: this rank (its shard is ``layout.shard_range(rank)``).
         dtype, device: of the buffer; parameters are copied (cast) into it.
         index: position of this buffer among all of the model's buffers.
-        owners: per parameter, the rank holding it whole (`zerolite.plan.owners`);
-            None for equal 1-D shards.
+        exchange: how the buffer crosses ranks (`zerolite.comm.exchange`); the flat buffer
+            all-gathers through it, its gradient bucket reduce-scatters through it.
     """
 
     def __init__(
         self,
         params: list[nn.Parameter],
         names: list[str],
+        layout: FlatLayout,
         *,
         rank: int,
-        world_size: int,
         dtype: torch.dtype,
         device: torch.device,
         index: int,
-        owners: tuple[int, ...] | None = None,
+        exchange: Exchange,
     ) -> None:
         self.params = params
         self.names = names
         self.index = index
         self.rank = rank
-        self.layout = FlatLayout(tuple(p.numel() for p in params), world_size, owners)
+        self.layout = layout
+        self.exchange = exchange
         self.shapes = [p.shape for p in params]
         # 1-D, dtype, padded_numel elements; padding is zero and never read.
         self.data = torch.zeros(self.layout.padded_numel, dtype=dtype, device=device)
@@ -67,8 +67,6 @@ class FlatParamBuffer:
         # True while every rank holds the full buffer between steps (stages 1-2).
         self.replicated = True
         self._full_bytes = self.data.untyped_storage().nbytes()
-        # ZeroConfig.quantize_gather: how all-gathers travel (None: unquantized).
-        self.gather_wire: WireFormat | None = None
 
     def bind(self) -> None:
         """Copy each parameter's values into the buffer and make ``param.data`` a view of it."""
@@ -111,7 +109,7 @@ class FlatParamBuffer:
         """True while the full buffer (and so every parameter) holds values."""
         return self.data.untyped_storage().nbytes() > 0
 
-    def unshard(self, group: Group, what: str = "") -> Pending:
+    def unshard(self, what: str = "") -> Pending:
         """Launch the all-gather of the full buffer from every rank's shard (stage 3).
 
         Parameters are bound to the buffer at once; their values are valid after the
@@ -124,20 +122,15 @@ class FlatParamBuffer:
         self.data[lo:hi].copy_(self.shard)
         for i, p in enumerate(self.params):
             p.data = self.param_view(self.data, i)
-        return self.all_gather(group, what)
+        return self.all_gather(what)
 
-    def all_gather(self, group: Group, what: str = "") -> Pending:
-        """Launch the in-place all-gather of ``data`` from every rank's chunk (quantized with
-        a `gather_wire`: then this rank's own chunk is overwritten with its dequantized values
-        too)."""
-        what = what or f"the all-gather of flat buffer {self.index}"
-        key = 2 * self.index + 1  # even: reduce-scatters
-        sizes = self.layout.chunk_sizes
-        if sizes is not None:  # whole-tensor ownership: from each owner
-            return gather_from_owners(self.data, sizes, group, key=key, what=what)
-        if self.gather_wire is not None:
-            return quantized_all_gather(self.data, self.gather_wire, group, key=key, what=what)
-        return all_gather_inplace(self.data, group, key=key, what=what)
+    def all_gather(self, what: str = "") -> Pending:
+        """Launch the in-place all-gather of ``data`` from every rank's chunk, through the
+        buffer's exchange (a quantized one overwrites this rank's own chunk with its
+        dequantized values too)."""
+        return self.exchange.all_gather(
+            self.data, what=what or f"the all-gather of flat buffer {self.index}"
+        )
 
     def reshard(self) -> None:
         """Free the full buffer (stage 3; see [Note: freed parameters]); no-op when replicated."""

@@ -106,7 +106,7 @@ class UnitScheduler:
     def gather(self, i: int) -> None:
         """Launch unit ``i``'s all-gathers unless it is gathered or on its way."""
         if i not in self._pending and not self.is_unsharded(i):
-            self._pending[i] = [flat.unshard(self.group) for flat in self.flats[i]]
+            self._pending[i] = [flat.unshard() for flat in self.flats[i]]
             self._gathered_at_step[i] = self.group.step
 
     def unshard(self, i: int) -> None:

@@ -2,26 +2,40 @@
 
 `describe_quantization` validates ``quantize_skip`` against the model and returns the
 lines every rank must agree on (run inside `shard()`'s agreement, before anything
-changes); `install_quantization` gives each flat buffer its gather `WireFormat` and each
-gradient bucket its reduce `WireFormat` and error-feedback residual, and with hybrid
-sharding the wire and residual of its cross-node step (`zerolite.comm.quantized_replicas`).
+changes). `buffer_wires` decides, per flat buffer, the int8 formats (`WireFormat`) of the
+directions that are quantized: the all-gather (``quantize_gather``, every buffer, frozen
+ones included), the reduce-scatter and, with hybrid sharding, the cross-node step
+(``quantize_reduce``, trained buffers). `zerolite.comm.exchange.exchange_for` then builds
+each buffer's exchange with them. In every format the elements of *raw* parameters travel
+unquantized: parameters of fewer than ``quant_block`` elements, and those named in
+``quantize_skip``.
 
 Nothing is quantized at world size 1 (nothing travels).
 """
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Sequence
+
 import torch
 from torch import nn
 
-from zerolite.comm.codec import WireFormat
-from zerolite.comm.collectives import Group
-from zerolite.comm.quantized_replicas import replica_residual_shape, replica_wire
+from zerolite.comm.codec import ChunkCodec, WireFormat
+from zerolite.comm.quantized_replicas import replica_residual_shape
 from zerolite.config import ZeroConfig
-from zerolite.grads.bucket import GradBucket
-from zerolite.params.flat_buffer import FlatParamBuffer
+from zerolite.plan.layout import FlatLayout
 
-__all__ = ["describe_quantization", "install_quantization", "residual_numel"]
+__all__ = [
+    "Wires",
+    "buffer_wires",
+    "describe_quantization",
+    "raw_ranges",
+    "replica_wire",
+    "residual_numel",
+    "skipped_parameters",
+    "wire_format",
+]
 
 
 def describe_quantization(config: ZeroConfig, model: nn.Module, partition: str) -> list[str]:
@@ -55,56 +69,127 @@ def describe_quantization(config: ZeroConfig, model: nn.Module, partition: str) 
     ]
 
 
-def _raw_params(flat: FlatParamBuffer, config: ZeroConfig, skipped: set[int]) -> set[int]:
-    """Indices of ``flat``'s parameters that travel unquantized."""
-    return {
-        i
-        for i, p in enumerate(flat.params)
-        if p.numel() < config.quant_block or id(p) in skipped
-    }
+@dataclasses.dataclass(frozen=True)
+class Wires:
+    """How one flat buffer's directions travel: a `WireFormat` each, None for full precision.
+
+    Attributes:
+        gather: the all-gather's (raw elements in ``param_dtype``).
+        reduce: the reduce-scatter's (raw elements in the gradients' reduce dtype).
+        replica: hybrid sharding's cross-node step (`replica_wire`).
+        error_feedback: keep residuals of the quantized reduce directions.
+    """
+
+    gather: WireFormat | None = None
+    reduce: WireFormat | None = None
+    replica: WireFormat | None = None
+    error_feedback: bool = False
 
 
-def install_quantization(
-    model: nn.Module,
-    config: ZeroConfig,
-    group: Group,
-    flats: list[FlatParamBuffer],
-    buckets: list[GradBucket],
-) -> None:
-    """Attach wire formats (and residuals) to ``flats`` (every gathered buffer, frozen ones
-    included) and ``buckets``: the shard group's exchanges, and with hybrid sharding the
-    gradient shards' cross-node step (`zerolite.comm.quantized_replicas`). Local; every rank
-    computes the same formats as the ranks it exchanges with."""
-    replicas = group.replicas.size if group.replicas is not None else 1
-    if not config.quantizes or (group.size == 1 and replicas == 1):
-        return
+def skipped_parameters(model: nn.Module, config: ZeroConfig) -> set[int]:
+    """``id()`` of the parameters ``config.quantize_skip`` names (checked by
+    `describe_quantization`)."""
     named = dict(model.named_parameters(remove_duplicate=False))
-    skipped = {id(named[n]) for n in config.quantize_skip}
+    return {id(named[n]) for n in config.quantize_skip}
+
+
+def buffer_wires(
+    params: Sequence[nn.Parameter],
+    layout: FlatLayout,
+    config: ZeroConfig,
+    *,
+    trained: bool,
+    skipped: set[int],
+    shard_rank: int,
+    replicas: int,
+) -> Wires:
+    """The int8 formats of one flat buffer's exchange.
+
+    Args:
+        params: the buffer's parameters, in buffer order.
+        layout: the buffer's layout over the ranks that shard it.
+        config: ``quantize_gather``, ``quantize_reduce``, ``quant_block``,
+            ``error_feedback``, the dtypes.
+        trained: the buffer has gradients (frozen stage-3 buffers only all-gather).
+        skipped: `skipped_parameters`.
+        shard_rank: this rank in its shard group (the chunk its replica step carries).
+        replicas: the replica groups (hybrid sharding), 1 when flat.
+    """
+    if not config.quantizes or (layout.world_size == 1 and replicas == 1):
+        return Wires()
     block = config.quant_block
-    if config.quantize_gather and group.size > 1:
-        for flat in flats:
-            raw = _raw_params(flat, config, skipped)
-            flat.gather_wire = WireFormat(flat.layout, raw, flat.data.dtype, block)
-    if not config.quantize_reduce:
-        return
-    for bucket in buckets:
-        layout, device = bucket.flat.layout, bucket.flat.data.device
-        raw = _raw_params(bucket.flat, config, skipped)
-        if group.size > 1:
-            bucket.wire = WireFormat(layout, raw, bucket.shard_dtype, block)
-            if config.error_feedback:
-                bucket.residual = torch.zeros(
-                    (group.size - 1, layout.shard_numel), dtype=torch.float32, device=device
-                )
-        if replicas > 1:
-            bucket.replica_wire = replica_wire(
-                layout, group.rank, replicas, raw, bucket.shard_dtype, block
-            )
-            if config.error_feedback:
-                bucket.replica_residual = torch.zeros(
-                    replica_residual_shape(layout.shard_numel, replicas),
-                    dtype=torch.float32, device=device,
-                )
+    raw = {i for i, p in enumerate(params) if p.numel() < block or id(p) in skipped}
+    gather = None
+    if config.quantize_gather and layout.world_size > 1:
+        gather = wire_format(layout, raw, config.param_dtype, block)
+    if not (trained and config.quantize_reduce):
+        return Wires(gather=gather)
+    reduce = None
+    if layout.world_size > 1:
+        reduce = wire_format(layout, raw, config.grad_dtype, block)
+    replica = None
+    if replicas > 1:
+        replica = replica_wire(layout, shard_rank, replicas, raw, config.grad_dtype, block)
+    return Wires(gather, reduce, replica, config.error_feedback)
+
+
+def wire_format(
+    layout: FlatLayout, raw_params: set[int], raw_dtype: torch.dtype, block: int
+) -> WireFormat:
+    """The messages of ``layout``'s ``N`` chunks.
+
+    Args:
+        layout: the flat buffer's layout (``world_size`` chunks of ``shard_numel``).
+        raw_params: indices (in the buffer) of the parameters that travel raw.
+        raw_dtype: the dtype they travel in (the buffer's, or the gradients' reduce dtype).
+        block: elements per quantization block.
+    """
+    return WireFormat([
+        ChunkCodec(layout.shard_numel, raw_ranges(layout, rank, raw_params), raw_dtype, block)
+        for rank in range(layout.world_size)
+    ])
+
+
+def replica_wire(
+    layout: FlatLayout,
+    shard_rank: int,
+    replicas: int,
+    raw_params: set[int],
+    raw_dtype: torch.dtype,
+    block: int,
+) -> WireFormat:
+    """How chunk ``shard_rank`` of ``layout`` crosses a replica group of ``replicas`` ranks:
+    ``replicas`` pieces of ``C = ceil(shard_numel / replicas)`` elements, one message each.
+    Equal on every rank of the replica group (they hold the same ``shard_rank``)."""
+    piece = -(-layout.shard_numel // replicas)
+    raw = raw_ranges(layout, shard_rank, raw_params)
+    chunks = []
+    for d in range(replicas):
+        lo, hi = d * piece, (d + 1) * piece
+        clipped = [(max(s, lo) - lo, min(e, hi) - lo) for s, e in raw if s < hi and e > lo]
+        chunks.append(ChunkCodec(piece, clipped, raw_dtype, block))
+    return WireFormat(chunks)
+
+
+def raw_ranges(layout: FlatLayout, rank: int, raw_params: set[int]) -> list[tuple[int, int]]:
+    """The element ranges of chunk ``rank`` of ``layout`` (chunk offsets, sorted, merged)
+    that belong to the parameters ``raw_params`` (indices in the buffer)."""
+    raw = [
+        (pc.shard_start, pc.shard_start + pc.numel)
+        for pc in layout.pieces(rank)
+        if pc.index in raw_params
+    ]
+    return _merged(raw)
+
+
+def _merged(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    out: list[tuple[int, int]] = []
+    for start, end in sorted(ranges):
+        if out and out[-1][1] == start:
+            out[-1] = (out[-1][0], end)
+        else:
+            out.append((start, end))
+    return out
 
 
 def residual_numel(

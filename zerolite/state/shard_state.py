@@ -316,7 +316,7 @@ class ShardState:
             scheduler.reshard_all()
         for master in self.masters:
             master.write_back()
-        gathers = [m.flat.all_gather(self.group) for m in self.masters if m.flat.replicated]
+        gathers = [m.flat.all_gather() for m in self.masters if m.flat.replicated]
         for gather in gathers:
             gather.wait()
 
