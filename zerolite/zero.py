@@ -1,19 +1,27 @@
-"""`shard()`: validate, agree across ranks, then wire the pieces a stage needs.
+"""`shard()`: validate, agree across ranks, then build what the stage needs, step by step.
 
-Nothing is modified until every rank has validated its inputs and all ranks agree on
-the plan (`zerolite.comm.consensus`). Then:
+Nothing is modified until every rank has validated its inputs and all ranks agree on the
+plan (`zerolite.comm.consensus`): where the flat buffers live and over which group
+(`_world`), which parameters go into which flat buffer (`zerolite.plan`, `_agree_on_plan`)
+and what the offload tier holds (`_agree_on_offload`). Then `_build` runs one named step
+per concern, in the order data will travel:
 
-- managed parameters (those the optimizer holds and that require grad) are packed into
-  flat buffers of about ``bucket_size_mb`` (`zerolite.plan.shard_plan`), in reverse registration
-  order (roughly the order backward produces gradients); rank 0's values are broadcast, as DDP does
-  (a model built on the meta device is materialised and initialised instead, unit by
-  unit, see `zerolite.params.meta_init`);
-- the optimizer's param groups are re-pointed at fp32 master pieces and any existing
-  state is re-sharded;
-- what the stage shards (`zerolite.plan.stages.STAGES`) picks the pieces: kept full
-  gradients wire `KeepFullGrads`, sharded ones `ShardGradsInBackward`; both share
-  buckets, the reducer and the optimizer. Sharded parameters add one buffer per unit
-  and the `UnitScheduler` that gathers them.
+1. `_choose_exchanges`: each flat buffer's exchange (`zerolite.comm.exchange`);
+2. `_place_parameters`: the flat buffers, bound to the parameters, holding rank 0's
+   values (as DDP does), or a meta-device model materialised unit by unit
+   (`zerolite.params.meta_init`); stage 3 keeps only this rank's shards;
+3. `_make_masters`: the fp32 master of each shard (`zerolite.state.master`);
+4. `_adopt_optimizer`: the user's param groups re-pointed at the master pieces, any
+   existing state re-sharded, the offload tier filled;
+5. `_wire_gradients`: one gradient bucket per flat buffer, the reducer and the hooks
+   (full gradients kept in stage 1, sharded in backward from stage 2);
+6. `_schedule_units`: stage 3's gather-before-use scheduler;
+7. `_change_model`: what changes on the model itself: the hooks' forward watch, the
+   ``.to()`` guard, ``no_sync()``, the meta build's first-forward check;
+
+and the `ShardState` holding all of it, complete, wrapped by the `ShardedOptimizer`.
+What the stage shards (`zerolite.plan.stages.STAGES`) picks the pieces; no step branches
+on the stage number.
 """
 
 from __future__ import annotations
@@ -37,26 +45,23 @@ from zerolite.compile_guard import exclude_from_compile, not_compiled
 from zerolite.config import ZeroConfig
 from zerolite.grads.bucket import GradBucket
 from zerolite.grads.hooks import KeepFullGrads, ShardGradsInBackward
-from zerolite.grads.reducer import GradReducer
+from zerolite.grads.reducer import GradReducer, install_no_sync
 from zerolite.optim.multi import MultiOptimizer, class_name, inner_optimizers
 from zerolite.optim.repoint import repoint_optimizer
 from zerolite.optim.sharded_optimizer import ShardedOptimizer, check_not_sharded
 from zerolite.params.flat_buffer import FlatParamBuffer
-from zerolite.params.meta_init import (
-    check_before_first_forward,
-    materialize,
-)
-from zerolite.params.model_changes import guard_conversions, install_no_sync
+from zerolite.params.guard import guard_conversions
+from zerolite.params.meta_init import MetaBuild, check_before_first_forward, materialize
 from zerolite.params.unit_scheduler import UnitScheduler
 from zerolite.plan.offload import OffloadLayout, plan_offload
 from zerolite.plan.owners import assign_owners
 from zerolite.plan.quantization import buffer_wires, describe_quantization, skipped_parameters
 from zerolite.plan.shard_plan import ShardPlan, plan_layout
 from zerolite.plan.stages import STAGES
-from zerolite.plan.units import Unit
 from zerolite.state.master import MasterShard
-from zerolite.state.offload import build_tier, check_offload
-from zerolite.state.shard_state import ShardState, pieces_of, register
+from zerolite.state.offload import OffloadTier, build_tier, check_offload
+from zerolite.state.pieces import pieces_of
+from zerolite.state.shard_state import ShardState, register
 
 __all__ = ["shard"]
 
@@ -110,43 +115,25 @@ def shard(
         loss = model(x).sum(); loss.backward(); opt.step(); opt.zero_grad()
     """
     config = ZeroConfig() if config is None else config
-    pg = data_parallel_group(config)
-    # Where the flat buffers live decides where the ranks' agreement travels, so it is
-    # decided first; a group that cannot carry it is refused on every rank alike.
-    device = buffer_device(_candidate_parameters(model, optimizer), config.device, pg)
-    check_buffer_device(device, backends_of(pg), config.collectives)
-    world = Group(
-        pg, collectives=config.collectives, timeout_s=config.timeout_s, device=device
-    )
-    plan: ShardPlan | None = None
-    k: int | None = None
-    # Raises on every rank if any rank failed or ranks describe different plans.
-    with agreed("zerolite.shard()", world) as lines:
-        if isinstance(optimizer, (list, tuple)):
-            optimizer = MultiOptimizer(optimizer)
-        k = shard_group_size(config, world.size)
-        lines.append(f"shard_group_size: {k or world.size} of {world.size} ranks")
-        check_not_sharded(model, optimizer)
-        plan = plan_layout(model, inner_optimizers(optimizer), config, device=device)
-        lines += plan.describe(config, model, class_name(optimizer), optimizer.param_groups)
-        lines += describe_quantization(config, model, plan.partition)
+    world = _world(model, optimizer, config)
+    optimizer, plan, k, lines = _agree_on_plan(model, optimizer, config, world)
     group = sharding_group(world, k, config)
-    offload = None
-    # The tier is laid out over this rank's shard group; a bad directory raises on every rank.
-    with agreed("zerolite.shard() (offload)", world):
-        offload = plan_offload(
-            cast(ShardPlan, plan), optimizer, config, rank=group.rank, world_size=group.size
-        )
-        if offload is not None:
-            check_offload(offload, config, cast(ShardPlan, plan).device)
+    offload = _agree_on_offload(plan, optimizer, config, group)
     digest = hashlib.sha256("\n".join(lines).encode()).hexdigest()
-    with phase_events.phase("build", device):
-        sharded = _build(
-            model, cast(torch.optim.Optimizer, optimizer), config, group, cast(ShardPlan, plan),
-            digest, offload,
-        )
+    with phase_events.phase("build", world.buffer_device):
+        sharded = _build(model, optimizer, config, group, plan, digest, offload)
     phase_events.built(sharded)
     return sharded
+
+
+def _world(model: object, optimizer: object, config: ZeroConfig) -> Group:
+    """Every data-parallel rank, with the device its flat buffers will live on. That device
+    decides where the ranks' agreement travels, so it is decided first; a group that cannot
+    carry it is refused on every rank alike."""
+    pg = data_parallel_group(config)
+    device = buffer_device(_candidate_parameters(model, optimizer), config.device, pg)
+    check_buffer_device(device, backends_of(pg), config.collectives)
+    return Group(pg, collectives=config.collectives, timeout_s=config.timeout_s, device=device)
 
 
 def _candidate_parameters(
@@ -166,6 +153,44 @@ def _candidate_parameters(
         yield from model.parameters()
 
 
+def _agree_on_plan(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer],
+    config: ZeroConfig,
+    world: Group,
+) -> tuple[torch.optim.Optimizer, ShardPlan, int | None, list[str]]:
+    """Validate and plan on every rank, then agree: raises on every rank if any rank failed
+    or ranks describe different plans. Returns the optimizer (several as one
+    `MultiOptimizer`), the plan, the shard group size (None: every rank) and the lines
+    agreed on."""
+    plan: ShardPlan | None = None
+    k: int | None = None
+    with agreed("zerolite.shard()", world) as lines:
+        if isinstance(optimizer, (list, tuple)):
+            optimizer = MultiOptimizer(optimizer)
+        k = shard_group_size(config, world.size)
+        lines.append(f"shard_group_size: {k or world.size} of {world.size} ranks")
+        check_not_sharded(model, optimizer)
+        plan = plan_layout(model, inner_optimizers(optimizer), config, device=world.buffer_device)
+        lines += plan.describe(config, model, class_name(optimizer), optimizer.param_groups)
+        lines += describe_quantization(config, model, plan.partition)
+    # (Reached only when every rank planned: `agreed` raised otherwise.)
+    return cast(torch.optim.Optimizer, optimizer), cast(ShardPlan, plan), k, lines
+
+
+def _agree_on_offload(
+    plan: ShardPlan, optimizer: torch.optim.Optimizer, config: ZeroConfig, group: Group
+) -> OffloadLayout | None:
+    """This rank's offload layout over its shard group; a tier that cannot hold it (a bad
+    directory, too little space) raises on every rank."""
+    offload = None
+    with agreed("zerolite.shard() (offload)", group.world):
+        offload = plan_offload(plan, optimizer, config, rank=group.rank, world_size=group.size)
+        if offload is not None:
+            check_offload(offload, config, plan.device)
+    return offload
+
+
 def _build(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -173,126 +198,33 @@ def _build(
     group: Group,
     plan: ShardPlan,
     layout_digest: str,
-    offload: OffloadLayout | None = None,
+    offload: OffloadLayout | None,
 ) -> ShardedOptimizer:
-    policy = STAGES[config.stage]
-    # Whole-tensor ownership: each buffer's parameters reordered by owner (before any buffer
-    # exists: the order is the layout).
-    if plan.partition == "tensor":
+    """Every rank agreed: build, one step per concern (the module docstring)."""
+    if plan.partition == "tensor":  # each buffer's parameters ordered by owner: the layout
         plan = assign_owners(plan, group.size)
-    all_flat_params = plan.all_flat_params
-    unit_buffers = plan.unit_buffers()
     exchanges = _choose_exchanges(model, plan, config, group)
-
-    def make_flat(index: int) -> FlatParamBuffer:
-        return _bound_flat(plan, index, exchanges[index], config)
-
-    meta_build = None
-    if plan.on_meta:
-        # Every rank computes the same values from rank 0's generator: nothing to broadcast.
-        # A unit is complete once its module is initialised (the root: at the end).
-        closed_by = {id(u.module): b for u, b in zip((plan.units or [])[:-1], unit_buffers)}
-        all_flats, meta_build = materialize(
-            model, all_flat_params, closed_by, make_flat,
-            param_dtype=config.param_dtype, device=plan.device, shard=policy.shards_parameters,
-            init_fn=config.init_fn, group=group.world,
-        )
-    else:
-        # Every rank starts from rank 0's values, as with DDP.
-        all_flats = [make_flat(index) for index in range(len(all_flat_params))]
-        for flat in all_flats:
-            broadcast(
-                flat.data,
-                0,
-                group.world,
-                what=f"shard()'s broadcast of rank 0's flat buffer {flat.index}",
-            )
-        if policy.shards_parameters:
-            for flat in all_flats:
-                flat.shard_only()
-    if not plan.on_meta:  # (a meta build computes the same values on every rank)
-        # As DDP: every rank starts from rank 0's unsharded parameters and buffers.
-        in_flats = {id(p) for flat in all_flats for p in flat.params}
-        unsharded = [p for p in model.parameters() if id(p) not in in_flats]
-        broadcast_coalesced(
-            [*unsharded, *model.buffers()], 0, group.world,
-            what="shard()'s broadcast of rank 0's unsharded parameters and buffers",
-        )
+    all_flats, meta_build = _place_parameters(model, plan, exchanges, config, group)
     flats, frozen_flats = all_flats[: len(plan.flat_params)], all_flats[len(plan.flat_params) :]
-    # A quantized all-gather overwrites a replicated buffer's own shard: masters are copies.
-    copy = config.quantize_gather and group.size > 1
-    masters = [
-        MasterShard(
-            flat, 0 if offload is None else offload.per_buffer[i], copy=copy and flat.replicated
-        )
-        for i, flat in enumerate(flats)
-    ]
-    if isinstance(optimizer, MultiOptimizer):
-        optimizer.bind()
-    repoint_optimizer(
-        optimizer, pieces_of(masters, optimizer.state), plan.group_of,
-        [p for _, p in plan.frozen],
-    )
-    tier = None if offload is None else build_tier(offload, masters, optimizer, config, group.rank)
-    for flat in flats:
-        for p in flat.params:
-            p.grad = None
-    buckets = [
-        GradBucket(
-            flat,
-            full_dtype=policy.grad_dtype(config.param_dtype, config.grad_dtype),
-            shard_dtype=config.grad_dtype,
-            keep_full=not policy.shards_gradients,
-        )
-        for flat in flats
-    ]
-    reducer = GradReducer(buckets, group)
-    grads = ShardGradsInBackward(reducer) if policy.shards_gradients else KeepFullGrads(reducer)
+    masters = _make_masters(flats, config, group, offload)
+    tier = _adopt_optimizer(optimizer, masters, plan, offload, config, group)
+    reducer, grads = _wire_gradients(flats, config, group)
     scheduler = None
     if plan.units is not None and isinstance(grads, ShardGradsInBackward):
-        unit_flats = [[all_flats[i] for i in buffers] for buffers in unit_buffers]
-        scheduler = _schedule_units(plan.units, unit_flats, flats, group, config, grads)
-    grads.watch_root(model)
-    # torch.compile: zerolite's hooks are graph breaks, never traced (see compile_guard).
-    exclude_from_compile([*grads._handles, *(scheduler._handles if scheduler is not None else [])])
-    guard_conversions(
-        model,
-        {
-            id(p): (flat.data.dtype, flat.data.device)
-            for flat in [*flats, *frozen_flats]
-            for p in flat.params
-        },
-    )
-    install_no_sync(model, reducer)
-    check_before_first_forward(model, meta_build)
+        scheduler = _schedule_units(plan, all_flats, flats, group, config, grads)
+    _change_model(model, grads, reducer, scheduler, all_flats, meta_build)
     state = ShardState(
-        model,
-        group=group,
-        config=config,
-        inner=optimizer,
-        flats=flats,
-        masters=masters,
-        frozen_flats=frozen_flats,
-        reducer=reducer,
-        grads=grads,
-        scheduler=scheduler,
-        layout_digest=layout_digest,
-        meta_build=meta_build,
+        model, group=group, config=config, inner=optimizer, flats=flats, masters=masters,
+        frozen_flats=frozen_flats, reducer=reducer, grads=grads, scheduler=scheduler,
+        layout_digest=layout_digest, meta_build=meta_build, offload=tier,
     )
-    state.offload = tier
     sharded = ShardedOptimizer(optimizer, state)
-    state.optimizer = sharded
-    register(model, state)
-    numel = sum(flat.numel for flat in flats)
+    register(model, state, sharded)
     if group.world.rank == 0:
         logger.info(
             "zerolite: stage %d (partition %s) sharded %d parameters (%d elements) into %d flat "
-            "buffers across %d ranks",
-            config.stage,
-            plan.partition,
-            sum(len(f.params) for f in flats),
-            numel,
-            len(flats),
+            "buffers across %d ranks", config.stage, plan.partition,
+            sum(len(f.params) for f in flats), sum(f.numel for f in flats), len(flats),
             group.size,
         )
     return sharded
@@ -340,15 +272,142 @@ def _bound_flat(
     return flat
 
 
+def _place_parameters(
+    model: nn.Module,
+    plan: ShardPlan,
+    exchanges: list[Exchange],
+    config: ZeroConfig,
+    group: Group,
+) -> tuple[list[FlatParamBuffer], MetaBuild | None]:
+    """Every flat buffer, bound to its parameters, in `ShardPlan.all_flat_params` order, and
+    a meta build's `MetaBuild` (None otherwise). Stage 3 keeps only this rank's shards."""
+    shards = STAGES[config.stage].shards_parameters
+
+    def make_flat(index: int) -> FlatParamBuffer:
+        return _bound_flat(plan, index, exchanges[index], config)
+
+    if plan.on_meta:
+        # Every rank computes the same values from rank 0's generator: nothing to broadcast.
+        # A unit is complete once its module is initialised (the root: at the end).
+        units = (plan.units or [])[:-1]
+        closed_by = {id(u.module): b for u, b in zip(units, plan.unit_buffers())}
+        return materialize(
+            model, plan.all_flat_params, closed_by, make_flat,
+            param_dtype=config.param_dtype, device=plan.device, shard=shards,
+            init_fn=config.init_fn, group=group.world,
+        )
+    # As DDP: every rank starts from rank 0's parameters and buffers.
+    all_flats = [make_flat(index) for index in range(len(plan.all_flat_params))]
+    for flat in all_flats:
+        broadcast(
+            flat.data, 0, group.world,
+            what=f"shard()'s broadcast of rank 0's flat buffer {flat.index}",
+        )
+    if shards:
+        for flat in all_flats:
+            flat.shard_only()
+    in_flats = {id(p) for flat in all_flats for p in flat.params}
+    unsharded = [p for p in model.parameters() if id(p) not in in_flats]
+    broadcast_coalesced(
+        [*unsharded, *model.buffers()], 0, group.world,
+        what="shard()'s broadcast of rank 0's unsharded parameters and buffers",
+    )
+    return all_flats, None
+
+
+def _make_masters(
+    flats: list[FlatParamBuffer], config: ZeroConfig, group: Group, offload: OffloadLayout | None
+) -> list[MasterShard]:
+    """The fp32 master of each trained buffer's shard; the first pieces of each are left to
+    the offload tier. A quantized all-gather overwrites a replicated buffer's own shard, so
+    there the masters are copies even in fp32."""
+    copy = config.quantize_gather and group.size > 1
+    return [
+        MasterShard(
+            flat, 0 if offload is None else offload.per_buffer[i], copy=copy and flat.replicated
+        )
+        for i, flat in enumerate(flats)
+    ]
+
+
+def _adopt_optimizer(
+    optimizer: torch.optim.Optimizer,
+    masters: list[MasterShard],
+    plan: ShardPlan,
+    offload: OffloadLayout | None,
+    config: ZeroConfig,
+    group: Group,
+) -> OffloadTier | None:
+    """The user's optimizer steps the master pieces from now on (its param groups keep their
+    identity; existing state is sliced to the pieces); the offload tier takes what is
+    offloaded. Returns the tier (None without offload)."""
+    if isinstance(optimizer, MultiOptimizer):
+        optimizer.bind()
+    repoint_optimizer(
+        optimizer, pieces_of(masters, optimizer.state), plan.group_of,
+        [p for _, p in plan.frozen],
+    )
+    if offload is None:
+        return None
+    return build_tier(offload, masters, optimizer, config, group.rank)
+
+
+def _wire_gradients(
+    flats: list[FlatParamBuffer], config: ZeroConfig, group: Group
+) -> tuple[GradReducer, KeepFullGrads | ShardGradsInBackward]:
+    """One gradient bucket per trained flat buffer, the reducer over them, and the hooks:
+    full gradients kept until the step (stage 1) or sharded in backward (stages 2-3)."""
+    policy = STAGES[config.stage]
+    for flat in flats:
+        for p in flat.params:
+            p.grad = None
+    buckets = [
+        GradBucket(
+            flat,
+            full_dtype=policy.grad_dtype(config.param_dtype, config.grad_dtype),
+            shard_dtype=config.grad_dtype,
+            keep_full=not policy.shards_gradients,
+        )
+        for flat in flats
+    ]
+    reducer = GradReducer(buckets, group)
+    if policy.shards_gradients:
+        return reducer, ShardGradsInBackward(reducer)
+    return reducer, KeepFullGrads(reducer)
+
+
+def _change_model(
+    model: nn.Module,
+    grads: KeepFullGrads | ShardGradsInBackward,
+    reducer: GradReducer,
+    scheduler: UnitScheduler | None,
+    all_flats: list[FlatParamBuffer],
+    meta_build: MetaBuild | None,
+) -> None:
+    """What `shard()` changes on the model itself, in place: its forward watched by the
+    gradient hooks, all of zerolite's hooks kept out of ``torch.compile`` graphs, the
+    ``.to()`` guard, ``no_sync()`` and (a meta build) the first forward's check."""
+    grads.watch_root(model)
+    exclude_from_compile([*grads._handles, *(scheduler._handles if scheduler is not None else [])])
+    guard_conversions(
+        model,
+        {id(p): (flat.data.dtype, flat.data.device) for flat in all_flats for p in flat.params},
+    )
+    install_no_sync(model, reducer)
+    check_before_first_forward(model, meta_build)
+
+
 def _schedule_units(
-    units: list[Unit],
-    unit_flats: list[list[FlatParamBuffer]],
+    plan: ShardPlan,
+    all_flats: list[FlatParamBuffer],
     flats: list[FlatParamBuffer],
     group: Group,
     config: ZeroConfig,
     grads: ShardGradsInBackward,
 ) -> UnitScheduler:
     """Stage 3: unshard/reshard hooks, freed units when their gradients are in."""
+    units = plan.units or []
+    unit_flats = [[all_flats[i] for i in buffers] for buffers in plan.unit_buffers()]
     scheduler = UnitScheduler(
         [u.module for u in units],
         unit_flats,

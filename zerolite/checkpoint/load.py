@@ -45,8 +45,7 @@ from zerolite.comm.consensus import agreed
 from zerolite.comm.small_exchange import all_gather_bytes
 from zerolite.optim.multi import class_name
 from zerolite.optim.sharded_optimizer import ShardedOptimizer, require_sharded_optimizer
-from zerolite.params.meta_init import mark_loaded
-from zerolite.state.shard_state import Piece
+from zerolite.state.pieces import Piece
 
 __all__ = ["load"]
 
@@ -193,7 +192,7 @@ def load(
     optimizer = require_sharded_optimizer(optimizer, "zerolite.checkpoint.load()")
     with phase_events.phase("load", optimizer.group.buffer_device):
         extra = _load(Path(path), model, optimizer, schedulers)
-    mark_loaded(model, None)
+    optimizer.shard_state.mark_loaded(None)
     return extra
 
 
@@ -261,7 +260,7 @@ def _load(
                 raise CheckpointError(f"{path}: {exc}") from None
             pieces, offloaded, piece_reader = _read_rank_state(path, index, optimizer)
             source = _ModelTensors(path, index)
-            for name, target in model_only_tensors(model, optimizer).items():
+            for name, target in model_only_tensors(model, optimizer.shard_state).items():
                 if not source.has(name):
                     raise CheckpointError(
                         f"{source.file}: no tensor for {name!r} (buffer or non-optimized parameter)"
@@ -315,7 +314,7 @@ def _load(
             # Plain-JSON indexes hold tuples (betas) as lists.
             legacy_tuple = isinstance(current, tuple) and isinstance(value, list)
             group_dict[key] = tuple(value) if legacy_tuple else value
-    targets = model_only_tensors(model, optimizer)
+    targets = model_only_tensors(model, optimizer.shard_state)
     for name, tensor in model_tensors.items():
         targets[name].copy_(tensor)
     for shard, values in frozen_pieces:

@@ -15,7 +15,7 @@ import torch
 from safetensors import safe_open
 
 from zerolite.checkpoint.format import CheckpointError, master_key, state_key
-from zerolite.state.shard_state import Piece
+from zerolite.state.pieces import Piece
 
 __all__ = ["PieceReader", "RangeReader", "state_keys"]
 

@@ -34,10 +34,13 @@ The entry points hooks and autograd callbacks call (`add_grad`, `end_backward`, 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections import deque
+from collections.abc import Iterator
 
 import torch
+from torch import nn
 
 from zerolite.comm.collectives import Group
 from zerolite.comm.small_exchange import exchange_small
@@ -45,7 +48,7 @@ from zerolite.compile_guard import not_compiled
 from zerolite.errors import RankMismatchError
 from zerolite.grads.bucket import GradBucket
 
-__all__ = ["GradReducer"]
+__all__ = ["GradReducer", "install_no_sync"]
 
 logger = logging.getLogger(__name__)
 
@@ -234,3 +237,23 @@ def _check_lockstep(group: Group, extremes: list[int]) -> None:
         "and moved on alone); every rank must run the same loop. An extra forward on some "
         "ranks only must run under torch.no_grad()."
     )
+
+
+def install_no_sync(model: nn.Module, reducer: GradReducer) -> None:
+    """Give ``model`` a ``no_sync()`` context manager (as DDP's) driving ``reducer``.
+
+    Inside it, backward only accumulates gradients locally; the first backward after
+    it reduces the sum. In stage 1 gradients are only reduced at ``step()`` anyway, so
+    it changes nothing there.
+    """
+
+    @contextlib.contextmanager
+    def no_sync() -> Iterator[None]:
+        previous = reducer.sync_disabled
+        reducer.sync_disabled = True
+        try:
+            yield
+        finally:
+            reducer.sync_disabled = previous
+
+    model.no_sync = no_sync  # type: ignore[assignment]

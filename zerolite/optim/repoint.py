@@ -13,7 +13,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from zerolite.state.shard_state import Piece
+from zerolite.state.pieces import Piece
 
 __all__ = ["repoint_optimizer"]
 

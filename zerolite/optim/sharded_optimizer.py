@@ -336,7 +336,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         Carries rank, world size, stage and a layout digest; see `load_state_dict`.
         Tensors are references (as with any torch optimizer): copy before mutating.
         """
-        return sharded_state_dict(self)
+        return sharded_state_dict(self.shard_state, self.loss_scaler)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load the dict this same rank saved, at the same world size, stage and layout.
@@ -344,7 +344,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         Every rank must call, each with its own rank's dict. Refused on every rank,
         before anything changes, if any rank got another rank's dict or another layout.
         """
-        load_sharded_state_dict(self, state_dict)
+        load_sharded_state_dict(self.shard_state, state_dict, self.loss_scaler)
 
     def publish_masters(self) -> None:
         """Make the parameters show masters and shards written outside `step` (by a load).

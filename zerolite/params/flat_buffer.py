@@ -8,7 +8,7 @@ the parameters, and this rank's shard of the buffer is one contiguous slice.
 [Note: binding]
 A parameter is "bound" while its storage is the buffer at its layout offset. Anything
 that replaces ``param.data`` (``model.to(other_dtype)``, ``.half()``, ``.cuda()``, a
-user assignment) unbinds it; `unbound` detects this and `zerolite.params.model_changes` refuses
+user assignment) unbinds it; `unbound` detects this and `zerolite.params.guard` refuses
 the conversions before they happen.
 """
 

@@ -61,12 +61,10 @@ from zerolite import phase_events
 from zerolite.comm.collectives import Group
 from zerolite.comm.small_exchange import exchange_small
 from zerolite.params.flat_buffer import FlatParamBuffer
-from zerolite.state.shard_state import state_of
 
 __all__ = [
     "MetaBuild",
     "check_before_first_forward",
-    "mark_loaded",
     "materialize",
 ]
 
@@ -80,6 +78,14 @@ class MetaBuild:
 
     uninitialised: dict[str, str]
     handle: torch.utils.hooks.RemovableHandle | None = None
+    checked: bool = False  # the first forward passed `check`
+
+    def loaded(self, names: list[str] | None) -> None:
+        """Loading wrote ``names`` (``None``: every parameter and persistent buffer)."""
+        if names is None:
+            self.uninitialised.clear()
+        for name in names or []:
+            self.uninitialised.pop(name, None)
 
     def check(self, model: nn.Module) -> None:
         """Raise if anything is still uninitialised; called by the first forward."""
@@ -103,21 +109,7 @@ class MetaBuild:
             )
         if self.handle is not None:
             self.handle.remove()
-        state = state_of(model)
-        if state is not None:
-            state.meta_build = None
-
-
-def mark_loaded(model: nn.Module, names: list[str] | None) -> None:
-    """Loading wrote ``names`` (``None``: every parameter and persistent buffer)."""
-    state = state_of(model)
-    build = None if state is None else state.meta_build
-    if build is None:
-        return
-    if names is None:
-        build.uninitialised.clear()
-    for name in names or []:
-        build.uninitialised.pop(name, None)
+        self.checked = True
 
 
 @contextlib.contextmanager

@@ -16,173 +16,24 @@ fp32 master and its optimizer state"; checkpoints, state dicts and estimates rea
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import weakref
-from collections.abc import Iterable, Iterator, Mapping
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterator
 
 import torch
 from torch import nn
 
-from zerolite.state.state_device import loaded_state
+from zerolite.comm.group import Group
+from zerolite.config import ZeroConfig
+from zerolite.grads.hooks import KeepFullGrads, ShardGradsInBackward
+from zerolite.grads.reducer import GradReducer
+from zerolite.params.flat_buffer import FlatParamBuffer
+from zerolite.params.meta_init import MetaBuild
+from zerolite.params.unit_scheduler import UnitScheduler
+from zerolite.state.master import MasterShard
+from zerolite.state.offload import OffloadTier
+from zerolite.state.pieces import FrozenPiece, Piece, pieces_of
 
-if TYPE_CHECKING:
-    from zerolite.comm.collectives import Group
-    from zerolite.config import ZeroConfig
-    from zerolite.grads.hooks import KeepFullGrads, ShardGradsInBackward
-    from zerolite.grads.reducer import GradReducer
-    from zerolite.optim.sharded_optimizer import ShardedOptimizer
-    from zerolite.params.flat_buffer import FlatParamBuffer
-    from zerolite.params.meta_init import MetaBuild
-    from zerolite.params.unit_scheduler import UnitScheduler
-    from zerolite.plan.layout import ParamPiece
-    from zerolite.state.master import MasterShard
-    from zerolite.state.offload import OffloadTier
-
-__all__ = [
-    "FrozenPiece",
-    "Piece",
-    "ShardState",
-    "pieces_of",
-    "register",
-    "require_state",
-    "state_of",
-]
-
-
-@dataclasses.dataclass(frozen=True)
-class Piece:
-    """This rank's piece of one trained parameter.
-
-    Attributes:
-        name: the parameter's name in its flat buffer (the first of tied names).
-        index: the parameter's position in ``flat``.
-        param_start, param_end: the piece's element range in the flattened parameter.
-        flat: the flat buffer holding the parameter.
-        offsets: where the piece lies in this rank's shard of ``flat``.
-        master: fp32, ``param_end - param_start`` elements: the piece's master, a tensor
-            of the optimizer's param groups; 1-D, or in the parameter's shape under
-            whole-tensor ownership (then ``param_start == 0``, ``param_end == numel``).
-        state: the optimizer's state of ``master`` (``{}`` before its first step). For an
-            offloaded piece, only its scalar entries (``step``): read the rest with
-            `read_state`.
-        tier: the `OffloadTier` holding the piece's state (and 16-bit master, ``master``
-            then being a meta placeholder), or None when it is resident.
-        slot: the piece's slot in ``tier``.
-        param_group: the optimizer's param group holding ``master`` (its ``fused`` /
-            ``capturable`` flags decide where a loaded ``step`` goes), when known.
-
-    Code that reads or writes values (checkpoints, loads) goes through `read_master`,
-    `read_state` and `write`, which work for resident and offloaded pieces alike.
-    """
-
-    name: str
-    index: int
-    param_start: int
-    param_end: int
-    flat: FlatParamBuffer
-    offsets: ParamPiece
-    master: torch.Tensor
-    state: dict[str, Any]
-    tier: OffloadTier | None = None
-    slot: int = -1
-    optimizer_state: Mapping[Any, Any] | None = dataclasses.field(default=None, repr=False)
-    param_group: Mapping[str, Any] | None = dataclasses.field(default=None, repr=False)
-
-    @property
-    def master_offloaded(self) -> bool:
-        """Whether the master lives on the tier (16-bit; ``master`` is a meta placeholder)."""
-        return self.tier is not None and self.tier.has_master(self.slot)
-
-    def write_master(self, values: torch.Tensor) -> None:
-        """Replace the master's values (1-D fp32); see `write`."""
-        if not self.master_offloaded:
-            self.master.copy_(values)
-            return
-        assert self.tier is not None
-        self.tier.write(self.slot, "master", 0, values)
-        # publish() casts only the resident masters into the parameter shard: this one now.
-        self.flat.shard[self.offsets.shard_start :][: self.offsets.numel].copy_(values)
-
-    def read_master(self) -> torch.Tensor:
-        """The piece's fp32 master values (1-D; a new CPU tensor when offloaded)."""
-        if self.tier is not None and self.tier.has_master(self.slot):
-            return self.tier.read(self.slot, "master", 0, self.param_end - self.param_start)
-        return self.master.detach()
-
-    def read_state(self) -> dict[str, Any]:
-        """The piece's whole optimizer state (per-element entries read from the tier)."""
-        if self.tier is None:
-            return self.state
-        return {**self.state, **self.tier.read_state(self.slot)}
-
-    def write(self, master: torch.Tensor, state: dict[str, Any]) -> None:
-        """Replace the piece's master values and optimizer state (a load). The parameters
-        show the new masters after `ShardState.publish` (every rank must call it).
-
-        State tensors go where torch's own ``load_state_dict`` puts them
-        (`zerolite.state.state_device`): the master's device, except a ``step`` counter,
-        which stays on the CPU unless the group is fused or capturable."""
-        assert self.optimizer_state is not None
-        target: Any = self.optimizer_state
-        self.write_master(master)
-        if self.tier is None:
-            target[self.master] = loaded_state(state, self.master.device, self.param_group)
-            return
-        scalars = self.tier.write_state(self.slot, dict(state))
-        device = self.tier.device  # (``master`` may be a meta placeholder)
-        target[self.master] = loaded_state(scalars, device, self.param_group)
-
-
-@dataclasses.dataclass(frozen=True)
-class FrozenPiece:
-    """Stage 3: this rank's piece of one frozen parameter (no master, no state).
-
-    Attributes:
-        name, index, param_start, param_end, flat, offsets: as in `Piece`.
-        shard: the piece's values, a 1-D view of ``flat.shard`` (``flat.data.dtype``).
-    """
-
-    name: str
-    index: int
-    param_start: int
-    param_end: int
-    flat: FlatParamBuffer
-    offsets: ParamPiece
-    shard: torch.Tensor
-
-
-def pieces_of(
-    masters: list[MasterShard],
-    optimizer_state: Mapping[Any, Any],
-    tier: OffloadTier | None = None,
-    param_groups: Iterable[Mapping[str, Any]] = (),
-) -> Iterator[Piece]:
-    """This rank's piece of every parameter of ``masters``' flat buffers, in layout order.
-
-    `ShardState.pieces` with the state spelled out: `shard()` needs it before the state
-    exists, to re-point the optimizer at the pieces (and before the offload tier exists).
-    ``param_groups``: the optimizer's, to give each piece its group (`Piece.param_group`).
-    """
-    group_of = {id(t): g for g in param_groups for t in g["params"]}
-    for b, master in enumerate(masters):
-        flat = master.flat
-        for j, (piece, tensor) in enumerate(zip(flat.pieces, master.pieces)):
-            slot = None if tier is None else tier.slot_of(b, j)
-            yield Piece(
-                name=flat.names[piece.index],
-                index=piece.index,
-                param_start=piece.param_start,
-                param_end=piece.param_end,
-                flat=flat,
-                offsets=piece,
-                master=tensor,
-                state=optimizer_state.get(tensor, {}),
-                tier=None if slot is None else tier,
-                slot=-1 if slot is None else slot,
-                optimizer_state=optimizer_state,
-                param_group=group_of.get(id(tensor)),
-            )
+__all__ = ["ShardState", "register", "require_state", "state_of"]
 
 
 class ShardState:
@@ -218,6 +69,7 @@ class ShardState:
         scheduler: UnitScheduler | None,
         layout_digest: str,
         meta_build: MetaBuild | None,
+        offload: OffloadTier | None,
     ) -> None:
         self.group = group
         self.config = config
@@ -228,23 +80,24 @@ class ShardState:
         self.reducer = reducer
         self.grads = grads
         self.layout_digest = layout_digest
-        self.meta_build = meta_build
-        self.offload: OffloadTier | None = None
+        self.offload = offload
+        self._meta_build = meta_build
         # Weak: see the module docstring (the model's hooks keep the scheduler alive).
         self._model = weakref.ref(model)
         self._scheduler = None if scheduler is None else weakref.ref(scheduler)
-        # Weak too: the optimizer holds this state, and a cycle would outlive the model's
-        # registry entry until the next garbage collection. The entry holds it strongly.
-        self._optimizer: weakref.ref[ShardedOptimizer] | None = None
 
     @property
-    def optimizer(self) -> ShardedOptimizer | None:
-        """The `ShardedOptimizer` `shard()` returned (None until it is built)."""
-        return None if self._optimizer is None else self._optimizer()
+    def meta_build(self) -> MetaBuild | None:
+        """A meta build's `MetaBuild` until its first forward passes its check, else None."""
+        build = self._meta_build
+        return None if build is None or build.checked else build
 
-    @optimizer.setter
-    def optimizer(self, value: ShardedOptimizer) -> None:
-        self._optimizer = weakref.ref(value)
+    def mark_loaded(self, names: list[str] | None) -> None:
+        """Loading wrote ``names`` (``None``: every parameter and persistent buffer): a meta
+        build no longer waits for them (`zerolite.params.meta_init.MetaBuild`)."""
+        build = self.meta_build
+        if build is not None:
+            build.loaded(names)
 
     @property
     def model(self) -> nn.Module | None:
@@ -321,23 +174,24 @@ class ShardState:
             gather.wait()
 
 
-# id(model) -> (weak reference to the model, its state, its ShardedOptimizer). Like a
-# `weakref.WeakKeyDictionary`, an entry goes when its model does, but keyed by identity: a
-# module class may define ``__eq__`` (two equal models are still two models) or be
-# unhashable. The entry keeps the optimizer alive as long as the model, as `shard()`
-# promises (`gathered_parameters(model)` needs it after the user dropped theirs).
+# id(model) -> (weak reference to the model, its state, the optimizer shard() returned).
+# Like a `weakref.WeakKeyDictionary`, an entry goes when its model does, but keyed by
+# identity: a module class may define ``__eq__`` (two equal models are still two models) or
+# be unhashable. The entry keeps that optimizer alive as long as the model: its loss scale
+# and step bookkeeping describe the shard state they live beside.
 _REGISTRY: dict[int, tuple[weakref.ref[nn.Module], ShardState, object]] = {}
 
 
-def register(model: nn.Module, state: ShardState) -> None:
-    """Record ``state`` (and its ``optimizer``) as ``model``'s (by `zerolite.shard`, once)."""
+def register(model: nn.Module, state: ShardState, optimizer: object) -> None:
+    """Record ``state`` as ``model``'s, keeping ``optimizer`` (the `ShardedOptimizer` that
+    wraps it) alive with the model (by `zerolite.shard`, once)."""
     key = id(model)
 
     def forget(ref: weakref.ref[nn.Module]) -> None:
         if _REGISTRY.get(key, (None,))[0] is ref:  # not a later model given the same id
             del _REGISTRY[key]
 
-    _REGISTRY[key] = (weakref.ref(model, forget), state, state.optimizer)
+    _REGISTRY[key] = (weakref.ref(model, forget), state, optimizer)
 
 
 def state_of(model: object) -> ShardState | None:

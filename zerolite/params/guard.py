@@ -1,27 +1,23 @@
-"""What `shard()` changes on the model itself (in place, never wrapped).
+"""The guard `shard()` puts on the model's conversions (in place, never a wrapper).
 
-- A guard on ``Module._apply`` (behind ``.to()``, ``.half()``, ``.cuda()``, ...) of every
-  module owning a managed parameter: a conversion that would give a managed parameter
-  new storage (another dtype or device) would silently detach it from the flat
-  buffers, so it is refused before anything is converted. A conversion that returns
-  the tensor unchanged (``model.to(same_device)``) passes.
-- ``model.no_sync()``: the context manager frameworks look for (DDP's name) to skip
-  gradient synchronisation on accumulation micro-steps.
+A guard on ``Module._apply`` (behind ``.to()``, ``.half()``, ``.cuda()``, ...) of every
+module owning a managed parameter: a conversion that would give a managed parameter new
+storage (another dtype or device) would silently detach it from the flat buffers, so it is
+refused before anything is converted. A conversion that returns the tensor unchanged
+(``model.to(same_device)``) passes. (The other change `shard()` makes on the model,
+``model.no_sync()``, is the reducer's: `zerolite.grads.reducer.install_no_sync`.)
 """
 
 from __future__ import annotations
 
-import contextlib
 import types
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
-from zerolite.grads.reducer import GradReducer
-
-__all__ = ["guard_conversions", "install_no_sync"]
+__all__ = ["guard_conversions"]
 
 
 def guard_conversions(
@@ -70,23 +66,3 @@ def _guard(module: nn.Module, managed: dict[int, tuple[torch.dtype, torch.device
         return original(fn, *args, **kwargs)
 
     module._apply = types.MethodType(_apply, module)  # type: ignore[method-assign]
-
-
-def install_no_sync(model: nn.Module, reducer: GradReducer) -> None:
-    """Give ``model`` a ``no_sync()`` context manager (as DDP's) driving ``reducer``.
-
-    Inside it, backward only accumulates gradients locally; the first backward after
-    it reduces the sum. In stage 1 gradients are only reduced at ``step()`` anyway, so
-    it changes nothing there.
-    """
-
-    @contextlib.contextmanager
-    def no_sync() -> Iterator[None]:
-        previous = reducer.sync_disabled
-        reducer.sync_disabled = True
-        try:
-            yield
-        finally:
-            reducer.sync_disabled = previous
-
-    model.no_sync = no_sync  # type: ignore[assignment]
