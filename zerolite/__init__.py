@@ -15,8 +15,7 @@ from typing import Any
 from zerolite._version import __version__
 from zerolite.config import ZeroConfig
 from zerolite.errors import CollectiveTimeout, RankMismatchError
-from zerolite.full_state_dict import full_state_dict
-from zerolite.gathered import gathered_parameters, iter_full_state_dict
+from zerolite.gathered import full_state_dict, gathered_parameters, iter_full_state_dict
 from zerolite.optim.sharded_optimizer import ShardedOptimizer
 from zerolite.zero import shard
 

@@ -49,7 +49,7 @@ from torch import nn
 import zerolite.checkpoint
 from zerolite.checkpoint.pending_save import PendingSave, finish_in_flight_everywhere
 from zerolite.config import ZeroConfig
-from zerolite.full_state_dict import full_state_dict
+from zerolite.gathered import full_state_dict
 from zerolite.optim.sharded_optimizer import ShardedOptimizer
 from zerolite.zero import shard
 
