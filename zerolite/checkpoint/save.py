@@ -198,19 +198,7 @@ def save(
     group = optimizer.group.world
     with agreed("zerolite.checkpoint.save()", group):
         finish_in_flight()
-        if not isinstance(blocking, bool):
-            raise TypeError(f"checkpoint.save(): blocking must be a bool, got {blocking!r}")
-        if not blocking and optimizer.group.replicas is not None:
-            raise ValueError(
-                "checkpoint.save(blocking=False) is not supported with hybrid sharding "
-                "(ZeroConfig.shard_group_size) yet; save with blocking=True"
-            )
-        problem = checkpoint_name_problem(path.name)
-        if problem is not None:
-            raise ValueError(
-                f"checkpoint path {str(path)!r}: {problem}; use a plain directory name"
-            )
-        _check_target(path, overwrite)
+        _check_arguments(path, optimizer, overwrite=overwrite, blocking=blocking)
         # No json.dumps(extra) check here: _index encodes ``extra`` losslessly (int keys,
         # tuples, Counter...) and its ValueError names the key that cannot be stored.
         index = _index(model, optimizer, schedulers, extra)
@@ -291,6 +279,23 @@ def _lock_root(path: Path, overwrite: bool, group: Group) -> tuple[SaveLock | No
             lock.release()
         raise
     return lock, shared["token"]
+
+
+def _check_arguments(
+    path: Path, optimizer: ShardedOptimizer, *, overwrite: bool, blocking: bool
+) -> None:
+    """`save`'s refusals before anything is written (see its Raises)."""
+    if not isinstance(blocking, bool):
+        raise TypeError(f"checkpoint.save(): blocking must be a bool, got {blocking!r}")
+    if not blocking and optimizer.group.replicas is not None:
+        raise ValueError(
+            "checkpoint.save(blocking=False) is not supported with hybrid sharding "
+            "(ZeroConfig.shard_group_size) yet; save with blocking=True"
+        )
+    problem = checkpoint_name_problem(path.name)
+    if problem is not None:
+        raise ValueError(f"checkpoint path {str(path)!r}: {problem}; use a plain directory name")
+    _check_target(path, overwrite)
 
 
 def _check_target(path: Path, overwrite: bool) -> None:

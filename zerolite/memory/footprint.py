@@ -225,20 +225,7 @@ def formula(
         A `MemoryBreakdown` with ``transient = 0``. Example: 7.5e9 parameters, N=64,
         bf16, stages 0-3 give 120, 31.4, 16.6 and 1.88 GB of model states.
     """
-    if stage not in tuple(STAGES):
-        raise ValueError(f"stage must be 0 (DDP), 1, 2 or 3, got {stage!r}")
-    if world_size < 1:
-        raise ValueError(f"world_size must be >= 1, got {world_size!r}")
-    k = world_size if shard_group_size is None else shard_group_size
-    if isinstance(k, bool) or not isinstance(k, int) or k < 1 or k > world_size or world_size % k:
-        raise ValueError(
-            f"shard_group_size must be None or an int k >= 1 dividing world_size={world_size}, "
-            f"got {shard_group_size!r}"
-        )
-    if optimizer not in STATE_BYTES_PER_PARAM:
-        raise ValueError(
-            f"optimizer must be one of {sorted(STATE_BYTES_PER_PARAM)}, got {optimizer!r}"
-        )
+    k = _check_formula(world_size, stage, optimizer, shard_group_size)
     policy = STAGES[stage]
     psi = Fraction(num_params)
 
@@ -267,3 +254,24 @@ def formula(
         if error_feedback
         else 0,
     )
+
+
+def _check_formula(
+    world_size: int, stage: int, optimizer: str, shard_group_size: int | None
+) -> int:
+    """`formula`'s arguments, checked; returns k (the ranks that shard)."""
+    if stage not in tuple(STAGES):
+        raise ValueError(f"stage must be 0 (DDP), 1, 2 or 3, got {stage!r}")
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size!r}")
+    k = world_size if shard_group_size is None else shard_group_size
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1 or k > world_size or world_size % k:
+        raise ValueError(
+            f"shard_group_size must be None or an int k >= 1 dividing world_size={world_size}, "
+            f"got {shard_group_size!r}"
+        )
+    if optimizer not in STATE_BYTES_PER_PARAM:
+        raise ValueError(
+            f"optimizer must be one of {sorted(STATE_BYTES_PER_PARAM)}, got {optimizer!r}"
+        )
+    return k

@@ -223,106 +223,142 @@ def materialize(
         kept in the model's `zerolite.state.shard_state.ShardState`; `check_before_first_forward`
         arms the check).
     """
-    flat_of = {id(p): i for i, params in enumerate(flat_params) for _, p in params}
-    flats: list[FlatParamBuffer | None] = [None] * len(flat_params)
-    opened: set[int] = set()
-    closed: set[int] = set()
-    sealed: list[FlatParamBuffer] = []  # sharded already: initialisers must not write them
-    uninitialised: dict[str, str] = {}
-    initialised_modules: set[int] = set()
+    build = _Materializer(
+        flat_params, make_flat, param_dtype=param_dtype, device=device, shard=shard,
+        init_fn=init_fn,
+    )
+    swapped = _swap_in_placeholders(model, device)
+    build.whole = {id(p) for p in swapped if id(p) not in build.flat_of}
+    with _rank0_generators(device, group):
+        for name, module in _post_order(model):
+            build.give_storage(module)
+            build.initialise(name, module)
+            for i in closed_by.get(id(module), []):
+                build.close_flat(i)
+        for i in range(len(flat_params)):
+            if i not in build.closed:
+                build.close_flat(i)
+        build.check_sealed()
+    _check_unsharded(
+        model, build.flat_of, build.made_buffers, build.buffer_owner,
+        build.initialised_modules, build.uninitialised,
+    )
+    return [f for f in build.flats if f is not None], MetaBuild(build.uninitialised)
 
-    def open_flat(i: int) -> None:
-        opened.add(i)
-        if all(p.dtype == param_dtype for _, p in flat_params[i]):
-            flats[i] = make_flat(i)  # binding copies the NaN placeholders in
+
+class _Materializer:
+    """One meta build while `materialize` visits the modules, children first: which flat
+    buffers are open (allocated, parameters bound) and closed (complete; sharded in stage 3,
+    then *sealed*: no initialiser may write them), and what nothing initialised."""
+
+    def __init__(
+        self,
+        flat_params: list[list[tuple[str, nn.Parameter]]],
+        make_flat: Callable[[int], FlatParamBuffer],
+        *,
+        param_dtype: torch.dtype,
+        device: torch.device,
+        shard: bool,
+        init_fn: Callable[[nn.Module], None] | None,
+    ) -> None:
+        self.flat_params = flat_params
+        self.make_flat = make_flat
+        self.param_dtype = param_dtype
+        self.device = device
+        self.shard = shard
+        self.init_fn = init_fn
+        self.flat_of = {id(p): i for i, params in enumerate(flat_params) for _, p in params}
+        self.flats: list[FlatParamBuffer | None] = [None] * len(flat_params)
+        self.opened: set[int] = set()
+        self.closed: set[int] = set()
+        self.sealed: list[FlatParamBuffer] = []  # sharded already: initialisers must not write
+        self.uninitialised: dict[str, str] = {}
+        self.initialised_modules: set[int] = set()
+        self.whole: set[int] = set()  # parameters not sharded: full on every rank
+        self.made_buffers: dict[int, torch.Tensor] = {}
+        self.buffer_owner: dict[int, int] = {}
+        self.held: set[int] = set()  # parameters whose first holder has been initialised
+        # (module name, module, flag on the device): whether a sealed unit's placeholder had
+        # been written once that module's initialiser returned. Read in one host sync per
+        # unit (`check_sealed`), not one per module.
+        self.pending: list[tuple[str, nn.Module, torch.Tensor]] = []
+
+    def open_flat(self, i: int) -> None:
+        self.opened.add(i)
+        if all(p.dtype == self.param_dtype for _, p in self.flat_params[i]):
+            self.flats[i] = self.make_flat(i)  # binding copies the NaN placeholders in
         else:
-            for _, p in flat_params[i]:
-                p.data = _nan_like(p, device)
+            for _, p in self.flat_params[i]:
+                p.data = _nan_like(p, self.device)
 
-    # (module name, module, flag on the device): whether a sealed unit's placeholder had
-    # been written once that module's initialiser returned. Read in one host sync per unit
-    # (`check_sealed`), not one per module.
-    pending: list[tuple[str, nn.Module, torch.Tensor]] = []
-
-    def check_sealed() -> None:
-        if not pending:
+    def check_sealed(self) -> None:
+        if not self.pending:
             return
-        written = torch.stack([flag for _, _, flag in pending]).tolist()
-        for (name, module, _), hit in zip(pending, written):
+        written = torch.stack([flag for _, _, flag in self.pending]).tolist()
+        for (name, module, _), hit in zip(self.pending, written):
             if hit:  # the first module after whose initialiser it was written
                 raise _init_error(
-                    name, module, init_fn, "it wrote a parameter of a unit already sharded"
+                    name, module, self.init_fn, "it wrote a parameter of a unit already sharded"
                 )
-        pending.clear()
+        self.pending.clear()
 
-    def close_flat(i: int) -> None:
-        check_sealed()
-        if i not in opened:
-            open_flat(i)
-        closed.add(i)
-        flat = flats[i] = flats[i] if flats[i] is not None else make_flat(i)
-        blank = torch.stack([p.isnan().any() for _, p in flat_params[i]]).tolist()
-        for (name, _), nan in zip(flat_params[i], blank):
+    def close_flat(self, i: int) -> None:
+        self.check_sealed()
+        if i not in self.opened:
+            self.open_flat(i)
+        self.closed.add(i)
+        flat = self.flats[i] = self.flats[i] if self.flats[i] is not None else self.make_flat(i)
+        blank = torch.stack([p.isnan().any() for _, p in self.flat_params[i]]).tolist()
+        for (name, _), nan in zip(self.flat_params[i], blank):
             if nan:
-                uninitialised[name] = "parameter"
-        if shard:
+                self.uninitialised[name] = "parameter"
+        if self.shard:
             flat.shard_only()
-            sealed.append(flat)
+            self.sealed.append(flat)
         phase_events.sample(
             sum(
                 f.data.untyped_storage().nbytes() + (0 if f.replicated else f.shard.nbytes)
-                for f in flats
+                for f in self.flats
                 if f is not None
             )
         )
 
-    swapped = _swap_in_placeholders(model, device)
-    whole = {id(p) for p in swapped if id(p) not in flat_of}  # not sharded: full on every rank
-    made_buffers: dict[int, torch.Tensor] = {}
-    held: set[int] = set()  # parameters whose first holder has been initialised
-    buffer_owner: dict[int, int] = {}
-    with _rank0_generators(device, group):
-        for name, module in _post_order(model):
-            for p in module._parameters.values():
-                if p is None:
-                    continue
-                if id(p) in flat_of and flat_of[id(p)] not in opened:
-                    open_flat(flat_of[id(p)])
-                elif id(p) in whole:
-                    whole.discard(id(p))
-                    p.data = _nan_like(p, device)
-            for key, b in module._buffers.items():
-                if b is not None and b.is_meta:
-                    if id(b) not in made_buffers:
-                        made_buffers[id(b)] = _nan_like(b, device)
-                        buffer_owner[id(made_buffers[id(b)])] = id(module)
-                    module._buffers[key] = made_buffers[id(b)]
-            # A tied parameter keeps the values of its first holder; later holders draw
-            # into a scratch copy, as their construction did before the tie was made.
-            tied = {
-                key: p for key, p in module._parameters.items() if p is not None and id(p) in held
-            }
-            for key, p in tied.items():
-                module._parameters[key] = nn.Parameter(
-                    _nan_like(p, device), requires_grad=p.requires_grad
-                )
-            if _initialise(name, module, init_fn):
-                initialised_modules.add(id(module))
-            if sealed:
-                flags = [flat.placeholder_written() for flat in sealed]
-                pending.append((name, module, torch.stack(flags).any()))
-            module._parameters.update(tied)
-            held.update(id(p) for p in module._parameters.values() if p is not None)
-            for i in closed_by.get(id(module), []):
-                close_flat(i)
-        for i in range(len(flat_params)):
-            if i not in closed:
-                close_flat(i)
-        check_sealed()
-    _check_unsharded(
-        model, flat_of, made_buffers, buffer_owner, initialised_modules, uninitialised
-    )
-    return [f for f in flats if f is not None], MetaBuild(uninitialised)
+    def give_storage(self, module: nn.Module) -> None:
+        """Storage (NaN) for ``module``'s own parameters and meta buffers, before its
+        initialiser runs: a parameter's flat buffer opens at its first holder."""
+        for p in module._parameters.values():
+            if p is None:
+                continue
+            if id(p) in self.flat_of and self.flat_of[id(p)] not in self.opened:
+                self.open_flat(self.flat_of[id(p)])
+            elif id(p) in self.whole:
+                self.whole.discard(id(p))
+                p.data = _nan_like(p, self.device)
+        for key, b in module._buffers.items():
+            if b is not None and b.is_meta:
+                if id(b) not in self.made_buffers:
+                    self.made_buffers[id(b)] = _nan_like(b, self.device)
+                    self.buffer_owner[id(self.made_buffers[id(b)])] = id(module)
+                module._buffers[key] = self.made_buffers[id(b)]
+
+    def initialise(self, name: str, module: nn.Module) -> None:
+        """Run ``module``'s initialiser. A tied parameter keeps the values of its first
+        holder; later holders draw into a scratch copy, as their construction did before the
+        tie was made."""
+        tied = {
+            key: p for key, p in module._parameters.items() if p is not None and id(p) in self.held
+        }
+        for key, p in tied.items():
+            module._parameters[key] = nn.Parameter(
+                _nan_like(p, self.device), requires_grad=p.requires_grad
+            )
+        if _initialise(name, module, self.init_fn):
+            self.initialised_modules.add(id(module))
+        if self.sealed:
+            flags = [flat.placeholder_written() for flat in self.sealed]
+            self.pending.append((name, module, torch.stack(flags).any()))
+        module._parameters.update(tied)
+        self.held.update(id(p) for p in module._parameters.values() if p is not None)
 
 
 def check_before_first_forward(model: nn.Module, build: MetaBuild | None) -> None:
