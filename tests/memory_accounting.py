@@ -30,7 +30,7 @@ def layout_sums(opt) -> dict:
         "shard_numel": sum(f.layout.shard_numel for f in opt.flats),
         # Optimizer state is created per piece (the part of a parameter inside this rank's
         # shard): it holds the shard's parameter elements, not its padding.
-        "piece_numel": sum(pc.numel for f in opt.flats for pc in f.layout.pieces(rank)),
+        "piece_numel": sum(pc.numel for f in opt.flats for pc in f.layout.spans(rank)),
     }
 
 

@@ -32,7 +32,7 @@ from tests.test_meta_init import PlainGPT
 from zerolite import ZeroConfig
 from zerolite import checkpoint as ckpt
 from zerolite.checkpoint.staging import StagingArea
-from zerolite.comm.collectives import Group, _wait
+from zerolite.comm.collectives import Group, wait_for
 from zerolite.comm.small_exchange import run_small
 from zerolite.memory import footprint, track
 from zerolite.state.pinned import host_buffer
@@ -123,7 +123,7 @@ def _wait_timing() -> dict:
     t = torch.ones(1, device="cuda")
     out = {}
     for name, wait in (
-        ("zerolite", lambda work: _wait(work, group, "gpu-check wait")),
+        ("zerolite", lambda work: wait_for(work, group, "gpu-check wait")),
         ("wait(timeout)", lambda work: work.wait(timedelta(seconds=60))),
     ):
         torch.cuda.synchronize()

@@ -80,7 +80,7 @@ def _owned_state(stage: int) -> dict:
     expected = [
         (flat.names[pc.index], pc.param_start, pc.param_end, id(t))
         for flat, master in zip(opt.flats, opt.masters)
-        for pc, t in zip(flat.pieces, master.pieces)
+        for pc, t in zip(flat.spans, master.views)
     ]
     pieces = list(state.pieces())
     got = [(p.name, p.param_start, p.param_end, id(p.master)) for p in pieces]

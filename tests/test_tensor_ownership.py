@@ -371,7 +371,7 @@ def test_owners_are_greedy_deterministic_and_laid_out_whole() -> None:
     layout = FlatLayout(tuple(sizes[i] for i in order), 3, tuple(owners[i] for i in order))
     assert layout.chunk_sizes == (100, 100, 75) and layout.padding == 0
     for rank in range(3):
-        pieces = layout.pieces(rank)
+        pieces = layout.spans(rank)
         assert all(p.param_start == 0 and p.numel == layout.numels[p.index] for p in pieces)
         assert sum(p.numel for p in pieces) == layout.shard_size(rank)
     assert imbalance([layout.chunk_sizes], 3) == pytest.approx(100 / 75)

@@ -8,8 +8,8 @@ chunk (it never travels quantized).
 
 With hybrid sharding every rank has its own residuals, including replicas of the same
 shard, and two kinds: the shard group's (as above) and the cross-node step's
-(`zerolite.comm.quantized_replicas`: what phase 1 lost of each piece sent to another replica,
-what phase 2 lost of this replica's reduced piece). Only the first replica group writes
+(`zerolite.comm.quantized_replicas`: what phase 1 lost of each part sent to another replica,
+what phase 2 lost of this replica's reduced part). Only the first replica group writes
 files, so at save the other replicas' residuals are gathered (over the replica group)
 onto the rank that writes their shard's file, which holds them all for the length of the
 save: ``residual@replica{q}/{name}/{start}-{end}``,
@@ -57,11 +57,11 @@ def _ranges(
 ) -> Iterator[tuple[str, int, int, int]]:
     """(name, param start, param end, offset from ``lo``) of each parameter's elements in
     ``[lo, hi)`` of chunk ``chunk`` of ``flat``."""
-    for piece in flat.layout.pieces(chunk):
-        start, end = max(lo, piece.shard_start), min(hi, piece.shard_start + piece.numel)
+    for span in flat.layout.spans(chunk):
+        start, end = max(lo, span.shard_start), min(hi, span.shard_start + span.numel)
         if start < end:
-            first = piece.param_start + start - piece.shard_start
-            yield flat.names[piece.index], first, first + end - start, start - lo
+            first = span.param_start + start - span.shard_start
+            yield flat.names[span.index], first, first + end - start, start - lo
 
 
 def _views(opt: ShardedOptimizer, replica: int | None) -> Iterator[tuple[str, torch.Tensor]]:
@@ -80,10 +80,10 @@ def _views(opt: ShardedOptimizer, replica: int | None) -> Iterator[tuple[str, to
                 for name, start, end, at in _ranges(flat, chunk, 0, shard):
                     yield f"{within}{name}/{start}-{end}", row[at : at + end - start]
         if exchange.replica_residual is not None and replica is not None:
-            r, piece = exchange.replica_residual.shape
+            r, part = exchange.replica_residual.shape
             rows = replica_residual_rows(replica, r)
             for row, (d, phase) in zip(exchange.replica_residual, rows):
-                for name, start, end, at in _ranges(flat, rank, d * piece, (d + 1) * piece):
+                for name, start, end, at in _ranges(flat, rank, d * part, (d + 1) * part):
                     yield f"{across}{phase}/{name}/{start}-{end}", row[at : at + end - start]
 
 

@@ -146,7 +146,7 @@ def _scatter(values: torch.Tensor, ranges: list[tuple[int, int]], out: torch.Ten
 
 class WireFormat:
     """The messages of a buffer's chunks (one `ChunkCodec` each, in chunk order): a flat
-    buffer's ``N`` chunks (`zerolite.plan.quantization.wire_format`), or the pieces of one
+    buffer's ``N`` chunks (`zerolite.plan.quantization.wire_format`), or the parts of one
     gradient shard crossing a replica group (`zerolite.plan.quantization.replica_wire`).
 
     Args:

@@ -1,4 +1,4 @@
-"""Every communication call zerolite makes, in one place.
+"""The data path's collectives on equal chunks, and what every exchange of `zerolite.comm` shares.
 
 Two primitives carry the data path, both on 1-D buffers that split into ``N`` equal
 chunks (chunk ``r`` is rank ``r``'s shard, see `zerolite.plan.layout`):
@@ -32,7 +32,11 @@ and returns at once; the process group's own timeout and NCCL's watchdog bound i
 
 Where tensors live is `zerolite.comm.devices`' decision (the group's buffer device and the
 communication device of small exchanges); small exchanges themselves are
-`zerolite.comm.small_exchange`'s.
+`zerolite.comm.small_exchange`'s; uneven and int8 chunks are `zerolite.comm.owned`'s and
+`zerolite.comm.quantized`'s; which of them one flat buffer uses is its exchange object's
+(`zerolite.comm.exchange`). Data broadcasts, a gather to one rank and the replica
+all-reduce of hybrid sharding are here too: every collective of the package is in
+`zerolite.comm` (``tests/test_comm_boundary.py`` checks the source).
 
 Launches are asynchronous and return a `Pending`; callers decide when to `wait()`.
 With world size 1 (or no process group) nothing is communicated.
@@ -57,17 +61,23 @@ __all__ = [
     "broadcast",
     "broadcast_coalesced",
     "gather",
+    # The building blocks the other exchanges of `zerolite.comm` share:
+    "accumulate_dtype",
+    "all_gather_flat",
+    "chunk_of",
+    "tag_of",
+    "wait_for",
 ]
 
 # torch 2.13 renamed the flat collectives and deprecated the old names (FutureWarning).
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 _KEY_BITS = 11  # point-to-point tag: (sequence mod 2**19) << 11 | (key mod 2**11)
 _SEQUENCE_SPACE = 1 << (30 - _KEY_BITS)
 
 
-def _tag(sequence: int, key: int) -> int:
+def tag_of(sequence: int, key: int) -> int:
     """A point-to-point tag from an exchange's sequence number and its key (which buffer,
     which direction): ranks out of step can only pair exchanges of the same buffer and
     direction, which have the same size (gloo aborts the process on a size mismatch)."""
@@ -96,7 +106,7 @@ class Pending:
         if self.done:
             return
         for work in self._works:
-            _wait(work, self._group, self._what)
+            wait_for(work, self._group, self._what)
         self._works.clear()
         if self._finish is not None:
             self._finish()
@@ -104,7 +114,7 @@ class Pending:
         self.done = True
 
 
-def _wait(work: dist.Work, group: Group | None, what: str) -> None:
+def wait_for(work: dist.Work, group: Group | None, what: str) -> None:
     """Wait for ``work`` as [Note: waits] says: bounded on gloo, a stream wait on NCCL."""
     if group is None:
         work.wait()
@@ -118,11 +128,12 @@ def _wait(work: dist.Work, group: Group | None, what: str) -> None:
         raise group.failure(what, exc) from exc
 
 
-def _chunk(full: torch.Tensor, index: int, size: int) -> torch.Tensor:
+def chunk_of(full: torch.Tensor, index: int, size: int) -> torch.Tensor:
+    """Chunk ``index`` of ``full``, whose chunks have ``size`` elements each (a view)."""
     return full.narrow(0, index * size, size)
 
 
-def _accumulate_dtype(dtype: torch.dtype) -> torch.dtype:
+def accumulate_dtype(dtype: torch.dtype) -> torch.dtype:
     """Precision of the local sum, rounded once into the output.
 
     16-bit gradients are summed in fp32. fp32 stays fp32, as in DDP: a wider sum is
@@ -162,7 +173,7 @@ def reduce_scatter_avg(
     if n == 1:
         out.copy_(full)
         return Pending()
-    tag = _tag(group.next_sequence(), key)
+    tag = tag_of(group.next_sequence(), key)
     with record_function("zerolite::reduce_scatter"):
         if not group.point_to_point:
             work = _reduce_scatter_flat(
@@ -174,13 +185,13 @@ def reduce_scatter_avg(
         for k in range(1, n):
             dst, src = (group.rank + k) % n, (group.rank - k) % n
             works.append(
-                dist.isend(_chunk(full, dst, shard), group.global_rank(dst), group.pg, tag)
+                dist.isend(chunk_of(full, dst, shard), group.global_rank(dst), group.pg, tag)
             )
             works.append(dist.irecv(received[k - 1], group.global_rank(src), group.pg, tag))
 
     def finish() -> None:
-        mine = _chunk(full, group.rank, shard)
-        acc_dtype = _accumulate_dtype(out.dtype)
+        mine = chunk_of(full, group.rank, shard)
+        acc_dtype = accumulate_dtype(out.dtype)
         acc = out if acc_dtype == out.dtype else torch.empty_like(out, dtype=acc_dtype)
         acc.copy_(mine)
         for k in range(n - 1):
@@ -212,12 +223,12 @@ def all_gather_inplace(full: torch.Tensor, group: Group, *, key: int, what: str)
             f"shards"
         )
     shard = full.numel() // n
-    tag = _tag(group.next_sequence(), key)
+    tag = tag_of(group.next_sequence(), key)
     with record_function("zerolite::all_gather"):
         if not group.point_to_point:
-            mine = _chunk(full, group.rank, shard)
+            mine = chunk_of(full, group.rank, shard)
             return Pending(
-                [_all_gather_flat(full, mine, group=group.pg, async_op=True)],
+                [all_gather_flat(full, mine, group=group.pg, async_op=True)],
                 group=group,
                 what=what,
             )
@@ -225,10 +236,10 @@ def all_gather_inplace(full: torch.Tensor, group: Group, *, key: int, what: str)
         for k in range(1, n):
             dst, src = (group.rank + k) % n, (group.rank - k) % n
             works.append(
-                dist.isend(_chunk(full, group.rank, shard), group.global_rank(dst), group.pg, tag)
+                dist.isend(chunk_of(full, group.rank, shard), group.global_rank(dst), group.pg, tag)
             )
             works.append(
-                dist.irecv(_chunk(full, src, shard), group.global_rank(src), group.pg, tag)
+                dist.irecv(chunk_of(full, src, shard), group.global_rank(src), group.pg, tag)
             )
     return Pending(works, group=group, what=what)
 
@@ -247,7 +258,7 @@ def all_reduce(
         group.next_sequence()
         with record_function("zerolite::all_reduce"):
             work = dist.all_reduce(tensor, op=op, group=group.pg, async_op=True)
-        _wait(work, group, what)
+        wait_for(work, group, what)
 
 
 def broadcast(tensor: torch.Tensor, src: int, group: Group, *, what: str) -> None:
@@ -257,7 +268,7 @@ def broadcast(tensor: torch.Tensor, src: int, group: Group, *, what: str) -> Non
         group.next_sequence()
         with record_function("zerolite::broadcast"):
             work = dist.broadcast(tensor, group.global_rank(src), group=group.pg, async_op=True)
-        _wait(work, group, what)
+        wait_for(work, group, what)
 
 
 def broadcast_coalesced(
@@ -298,5 +309,5 @@ def gather(tensor: torch.Tensor, dst: int, group: Group, *, what: str) -> list[t
         work = dist.gather(
             tensor, received, dst=group.global_rank(dst), group=group.pg, async_op=True
         )
-    _wait(work, group, what)
+    wait_for(work, group, what)
     return received

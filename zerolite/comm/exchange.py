@@ -175,7 +175,7 @@ class QuantizedReplicaStep(ReplicaStep):
 
     Args:
         inner: the shard group's exchange.
-        wire: how this rank's shard crosses the replica group, in ``R`` pieces
+        wire: how this rank's shard crosses the replica group, in ``R`` parts
             (`zerolite.plan.quantization.replica_wire`).
         error_feedback: keep the step's residual, ``(R, C)`` fp32 on ``device`` (row
             order: `zerolite.comm.quantized_replicas.replica_residual_rows`).
@@ -187,9 +187,9 @@ class QuantizedReplicaStep(ReplicaStep):
         super().__init__(inner)
         self.wire = wire
         if error_feedback:
-            rows, piece = len(wire.chunks), wire.chunks[0].numel
+            rows, part = len(wire.chunks), wire.chunks[0].numel
             self.replica_residual = torch.zeros(
-                (rows, piece), dtype=torch.float32, device=device
+                (rows, part), dtype=torch.float32, device=device
             )
 
     def reduce_scatter(self, full: torch.Tensor, out: torch.Tensor, *, what: str) -> Pending:

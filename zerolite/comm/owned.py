@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
-from zerolite.comm.collectives import Group, Pending, _accumulate_dtype, _tag
+from zerolite.comm.collectives import Group, Pending, accumulate_dtype, tag_of
 
 __all__ = ["gather_from_owners", "reduce_to_owners"]
 
@@ -68,7 +68,7 @@ def reduce_to_owners(
     if n == 1:
         out.copy_(full)
         return Pending()
-    tag = _tag(group.next_sequence(), key)
+    tag = tag_of(group.next_sequence(), key)
     works = []
     with record_function("zerolite::reduce_to_owners"):
         if group.point_to_point:
@@ -89,7 +89,7 @@ def reduce_to_owners(
                     ))
 
     def finish() -> None:
-        acc_dtype = _accumulate_dtype(out.dtype)
+        acc_dtype = accumulate_dtype(out.dtype)
         acc = out if acc_dtype == out.dtype else torch.empty_like(out, dtype=acc_dtype)
         if group.point_to_point:
             acc.copy_(chunk(rank))
@@ -127,7 +127,7 @@ def gather_from_owners(
     def chunk(r: int) -> torch.Tensor:
         return full[bounds[r] : bounds[r + 1]]
 
-    tag = _tag(group.next_sequence(), key)
+    tag = tag_of(group.next_sequence(), key)
     works = []
     with record_function("zerolite::gather_from_owners"):
         if group.point_to_point:

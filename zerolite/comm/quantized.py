@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch.profiler import record_function
 
 from zerolite.comm.codec import ChunkCodec, WireFormat
-from zerolite.comm.collectives import Group, Pending, _all_gather_flat, _chunk, _tag
+from zerolite.comm.collectives import Group, Pending, all_gather_flat, chunk_of, tag_of
 
 __all__ = ["quantized_all_gather", "quantized_reduce_scatter_avg", "residual_chunks"]
 
@@ -60,7 +60,7 @@ def exchange_rows(
     goes to rank ``j``, row ``j`` of ``received`` comes from rank ``j`` (this rank's own
     rows are not exchanged). Every rank of ``group`` calls, in lockstep."""
     n = group.size
-    tag = _tag(group.next_sequence(), key)
+    tag = tag_of(group.next_sequence(), key)
     if not group.point_to_point:
         return [dist.all_to_all_single(received, send, group=group.pg, async_op=True)]
     works = []
@@ -75,10 +75,10 @@ def gather_rows(messages: torch.Tensor, group: Group, *, key: int) -> list[dist.
     """Launch an all-gather of message rows: row ``rank`` of ``messages`` (``(N, bytes)``
     uint8) into every rank's row ``rank``. Every rank of ``group`` calls, in lockstep."""
     n = group.size
-    tag = _tag(group.next_sequence(), key)
+    tag = tag_of(group.next_sequence(), key)
     if not group.point_to_point:
         mine = messages[group.rank]
-        return [_all_gather_flat(messages.view(-1), mine, group=group.pg, async_op=True)]
+        return [all_gather_flat(messages.view(-1), mine, group=group.pg, async_op=True)]
     works = []
     for k in range(1, n):
         dst, src = (group.rank + k) % n, (group.rank - k) % n
@@ -113,14 +113,14 @@ def quantized_all_gather(
     shard = full.numel() // n
     messages = wire.messages(full.device)
     encode_with_feedback(
-        wire.chunks[group.rank], _chunk(full, group.rank, shard), messages[group.rank], residual
+        wire.chunks[group.rank], chunk_of(full, group.rank, shard), messages[group.rank], residual
     )
     with record_function("zerolite::quantized_all_gather"):
         works = gather_rows(messages, group, key=key)
 
     def finish() -> None:
         for j, codec in enumerate(wire.chunks):
-            codec.decode(messages[j], _chunk(full, j, shard))
+            codec.decode(messages[j], chunk_of(full, j, shard))
 
     return Pending(works, finish, group=group, what=what)
 
@@ -156,7 +156,7 @@ def quantized_reduce_scatter_avg(
     for k in range(1, n):
         dst = (group.rank + k) % n
         row = None if residual is None else residual[k - 1]
-        encode_with_feedback(wire.chunks[dst], _chunk(full, dst, shard), messages[dst], row)
+        encode_with_feedback(wire.chunks[dst], chunk_of(full, dst, shard), messages[dst], row)
     received = wire.messages(full.device)
     with record_function("zerolite::quantized_reduce_scatter"):
         works = exchange_rows(messages, received, group, key=key)
@@ -167,7 +167,7 @@ def quantized_reduce_scatter_avg(
         term = torch.empty_like(acc)
         for src in range(n):
             if src == group.rank:
-                acc.add_(_chunk(full, src, shard))
+                acc.add_(chunk_of(full, src, shard))
             else:
                 codec.decode(received[src], term)
                 acc.add_(term)

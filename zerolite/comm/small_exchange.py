@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
-from zerolite.comm.collectives import Group, _wait
+from zerolite.comm.collectives import Group, wait_for
 from zerolite.errors import RankMismatchError
 
 __all__ = ["SMALL_EXCHANGES", "all_gather_bytes", "exchange_small"]
@@ -77,7 +77,7 @@ def run_small(
         else:
             parts = [torch.empty_like(wire) for _ in range(group.size)]
             work = dist.all_gather(parts, wire, group=group.pg, async_op=True)
-    _wait(work, group, what)
+    wait_for(work, group, what)
     return (torch.stack(parts) if how == "all_gather" else wire).cpu()
 
 

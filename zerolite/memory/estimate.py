@@ -106,10 +106,10 @@ def _breakdown(
 
     state = 0
     for b in buffers:
-        for piece in b.layout.pieces(rank):
-            g_index = b.groups[piece.index]
+        for span in b.layout.spans(rank):
+            g_index = b.groups[span.index]
             per_element, scalars = state_bytes(stepped_by[g_index], optimizer.param_groups[g_index])
-            state += piece.numel * per_element + scalars
+            state += span.numel * per_element + scalars
     other = sum(q.numel() * q.element_size() for q in unmanaged)
     other_grads = sum(q.numel() * q.element_size() for q in unmanaged if q.requires_grad)
     upcast = (

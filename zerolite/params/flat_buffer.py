@@ -19,7 +19,7 @@ from torch import nn
 
 from zerolite.comm.collectives import Pending
 from zerolite.comm.exchange import Exchange
-from zerolite.plan.layout import FlatLayout, ParamPiece
+from zerolite.plan.layout import FlatLayout, Span
 
 __all__ = ["FlatParamBuffer"]
 
@@ -62,8 +62,8 @@ class FlatParamBuffer:
         lo, hi = self.layout.shard_range(rank)
         # 1-D, dtype, this rank's shard of `data` (a view).
         self.shard = self.data[lo:hi]
-        # The pieces of parameters that fall into this rank's shard, buffer order.
-        self.pieces: list[ParamPiece] = self.layout.pieces(rank)
+        # Where this rank's pieces lie (one per parameter meeting its shard), buffer order.
+        self.spans: list[Span] = self.layout.spans(rank)
         # True while every rank holds the full buffer between steps (stages 1-2).
         self.replicated = True
         self._full_bytes = self.data.untyped_storage().nbytes()

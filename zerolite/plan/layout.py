@@ -21,12 +21,12 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-__all__ = ["FlatLayout", "ParamPiece", "size_partition"]
+__all__ = ["FlatLayout", "Span", "size_partition"]
 
 
 @dataclasses.dataclass(frozen=True)
-class ParamPiece:
-    """The part of one parameter that falls into one rank's shard.
+class Span:
+    """Where a piece lies: the part of one parameter that falls into one rank's shard.
 
     Attributes:
         index: the parameter's position in the layout.
@@ -128,14 +128,15 @@ class FlatLayout:
         start = rank * self.shard_numel
         return start, start + self.shard_numel
 
-    def pieces(self, rank: int) -> list[ParamPiece]:
-        """Every non-empty intersection of a parameter with ``rank``'s shard, in buffer order."""
+    def spans(self, rank: int) -> list[Span]:
+        """The span of every piece of ``rank``'s shard (each non-empty intersection of a
+        parameter with it), in buffer order."""
         lo, hi = self.shard_range(rank)
         out = []
         for index, (offset, n) in enumerate(zip(self.offsets, self.numels)):
             start, end = max(lo, offset), min(hi, offset + n)
             if start < end:
-                out.append(ParamPiece(index, start - offset, start - lo, end - start))
+                out.append(Span(index, start - offset, start - lo, end - start))
         return out
 
 

@@ -57,7 +57,7 @@ class Slot:
 
     Attributes:
         buffer: index of the piece's flat buffer (and `MasterShard`).
-        position: index of the piece in ``flat.pieces`` (offloaded pieces come first).
+        position: index of the piece in ``flat.spans`` (offloaded pieces come first).
         numel: elements of the piece.
         fields: ``(name, dtype, byte offset)`` per field: ``"master"`` (fp32) when the
             master is offloaded, then each per-element state key of the piece's group.
@@ -148,7 +148,7 @@ def offload_layout(
     """
     assert config.offload is not None
     layouts = [FlatLayout(tuple(n), world_size) for n in numels]
-    pieces = [(b, j, pc) for b, lay in enumerate(layouts) for j, pc in enumerate(lay.pieces(rank))]
+    pieces = [(b, j, pc) for b, lay in enumerate(layouts) for j, pc in enumerate(lay.spans(rank))]
     total = sum(pc.numel for _, _, pc in pieces)
     target = total if config.offload_fraction >= 1 else math.ceil(config.offload_fraction * total)
     master = config.param_dtype != torch.float32

@@ -159,15 +159,15 @@ def replica_wire(
     block: int,
 ) -> WireFormat:
     """How chunk ``shard_rank`` of ``layout`` crosses a replica group of ``replicas`` ranks:
-    ``replicas`` pieces of ``C = ceil(shard_numel / replicas)`` elements, one message each.
+    ``replicas`` parts of ``C = ceil(shard_numel / replicas)`` elements, one message each.
     Equal on every rank of the replica group (they hold the same ``shard_rank``)."""
-    piece = -(-layout.shard_numel // replicas)
+    part = -(-layout.shard_numel // replicas)
     raw = raw_ranges(layout, shard_rank, raw_params)
     chunks = []
     for d in range(replicas):
-        lo, hi = d * piece, (d + 1) * piece
+        lo, hi = d * part, (d + 1) * part
         clipped = [(max(s, lo) - lo, min(e, hi) - lo) for s, e in raw if s < hi and e > lo]
-        chunks.append(ChunkCodec(piece, clipped, raw_dtype, block))
+        chunks.append(ChunkCodec(part, clipped, raw_dtype, block))
     return WireFormat(chunks)
 
 
@@ -176,7 +176,7 @@ def raw_ranges(layout: FlatLayout, rank: int, raw_params: set[int]) -> list[tupl
     that belong to the parameters ``raw_params`` (indices in the buffer)."""
     raw = [
         (pc.shard_start, pc.shard_start + pc.numel)
-        for pc in layout.pieces(rank)
+        for pc in layout.spans(rank)
         if pc.index in raw_params
     ]
     return _merged(raw)
@@ -203,5 +203,5 @@ def residual_numel(
     if not (config.quantize_reduce and config.error_feedback):
         return 0
     within = (world_size - 1) * shard_numel
-    rows, piece = replica_residual_shape(shard_numel, replicas)
-    return within + (rows * piece if replicas > 1 else 0)
+    rows, part = replica_residual_shape(shard_numel, replicas)
+    return within + (rows * part if replicas > 1 else 0)

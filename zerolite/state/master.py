@@ -4,12 +4,12 @@ With fp32 parameters the master *is* the parameter shard (a view: no second copy
 the optimizer's update lands in the parameters directly). With 16-bit parameters it is
 an fp32 copy, and `write_back` casts it down into the parameter shard after each step.
 
-The user's optimizer does not step the master as one tensor but as *pieces*: one 1-D
-view per parameter intersecting this shard (see `zerolite.plan.layout.ParamPiece`). Each
-piece carries its parameter's optimizer state, step count and param group, so a
+The user's optimizer does not step the master as one tensor but as one *view* per piece
+(a parameter's part of this shard, where `zerolite.plan.layout.Span` says). Each view
+carries its parameter's optimizer state, step count and param group, so a
 parameter that received no gradient is skipped exactly as torch skips it, and a
 checkpoint can name state by parameter and element range. Under whole-tensor ownership
-(``ZeroConfig.partition="tensor"``) a piece is a whole parameter and is viewed in the
+(``ZeroConfig.partition="tensor"``) a piece is a whole parameter and its view has the
 parameter's shape, so shape-aware optimizers (Muon, Adafactor) step it as the matrix it is.
 
 With an offload tier (`zerolite.state.offload`) the first ``offloaded`` pieces step by
@@ -23,17 +23,17 @@ from __future__ import annotations
 import torch
 
 from zerolite.params.flat_buffer import FlatParamBuffer
-from zerolite.plan.layout import ParamPiece
+from zerolite.plan.layout import Span
 
 __all__ = ["MasterShard"]
 
 
 class MasterShard:
-    """fp32 master of one flat buffer's shard and its per-parameter pieces.
+    """fp32 master of one flat buffer's shard and its views, one per piece.
 
     Args:
         flat: the flat parameter buffer whose shard this rank owns.
-        offloaded: how many leading pieces of ``flat.pieces`` live on an offload tier.
+        offloaded: how many leading pieces of ``flat.spans`` live on an offload tier.
         copy: keep an fp32 copy even when the parameters are fp32 (a quantized all-gather
             overwrites a replicated buffer's own shard with dequantized values).
     """
@@ -43,8 +43,8 @@ class MasterShard:
         self.offloaded = offloaded
         fp32 = flat.data.dtype == torch.float32
         # Where `data` starts in the shard: after the offloaded masters (16-bit only).
-        pieces = flat.pieces
-        last = pieces[offloaded - 1] if offloaded else None
+        spans = flat.spans
+        last = spans[offloaded - 1] if offloaded else None
         self._start = 0 if fp32 or last is None else last.shard_start + last.numel
         # 1-D, fp32: a view of flat.shard when params are fp32 (and no copy is asked for),
         # else a copy of flat.shard[_start:] (the resident masters, and the padding).
@@ -53,15 +53,16 @@ class MasterShard:
             if fp32 and not copy
             else flat.shard[self._start :].to(torch.float32, copy=True)
         )
-        # fp32 views of `data`, one per flat.pieces entry: what the optimizer steps. 1-D, or
-        # in the parameter's shape when pieces are whole parameters (whole-tensor ownership);
-        # an offloaded 16-bit master is a meta tensor of its size (the tier holds it).
+        # fp32 views of `data`, one per piece (flat.spans): what the optimizer steps. 1-D,
+        # or in the parameter's shape when pieces are whole parameters (whole-tensor
+        # ownership); an offloaded 16-bit master is a meta tensor of its size (the tier
+        # holds it).
         self.shaped = flat.layout.owners is not None
-        self.pieces: list[torch.Tensor] = [
-            torch.empty(pc.numel, dtype=torch.float32, device="meta")
+        self.views: list[torch.Tensor] = [
+            torch.empty(span.numel, dtype=torch.float32, device="meta")
             if j < self._offloaded_masters()
-            else self._view(self.data, pc, self._start)
-            for j, pc in enumerate(pieces)
+            else self._view(self.data, span, self._start)
+            for j, span in enumerate(spans)
         ]
         # Set by set_grads for the streamed step: the gradient shard, the used flags.
         self.grad_shard: torch.Tensor | None = None
@@ -70,10 +71,10 @@ class MasterShard:
     def _offloaded_masters(self) -> int:
         return 0 if self.flat.data.dtype == torch.float32 else self.offloaded
 
-    def _view(self, shard: torch.Tensor, piece: ParamPiece, start: int = 0) -> torch.Tensor:
-        """``piece``'s slice of ``shard`` (which begins at shard element ``start``)."""
-        view = shard[piece.shard_start - start : piece.shard_start - start + piece.numel]
-        return view.view(self.flat.shapes[piece.index]) if self.shaped else view
+    def _view(self, shard: torch.Tensor, span: Span, start: int = 0) -> torch.Tensor:
+        """The slice of ``shard`` (which begins at shard element ``start``) at ``span``."""
+        view = shard[span.shard_start - start : span.shard_start - start + span.numel]
+        return view.view(self.flat.shapes[span.index]) if self.shaped else view
 
     @property
     def is_view(self) -> bool:
@@ -89,19 +90,19 @@ class MasterShard:
             self.flat.shard[self._start :].copy_(self.data)
 
     def set_grads(self, grad_shard: torch.Tensor, used: torch.Tensor) -> None:
-        """Point each piece's ``.grad`` at its slice of ``grad_shard``; None if unused.
+        """Point each view's ``.grad`` at its slice of ``grad_shard``; None if unused.
 
         Args:
             grad_shard: 1-D, fp32, shard_numel: this rank's reduced gradients.
             used: bool per param of the flat buffer: some rank produced a gradient.
         """
         self.grad_shard, self.used = grad_shard, used
-        for j, (piece, tensor) in enumerate(zip(self.flat.pieces, self.pieces)):
+        for j, (span, view) in enumerate(zip(self.flat.spans, self.views)):
             offloaded = j < self.offloaded
-            keep = used[piece.index] and not offloaded
-            tensor.grad = self._view(grad_shard, piece) if keep else None
+            keep = used[span.index] and not offloaded
+            view.grad = self._view(grad_shard, span) if keep else None
 
     def clear_grads(self) -> None:
         self.grad_shard = self.used = None
-        for tensor in self.pieces:
-            tensor.grad = None
+        for view in self.views:
+            view.grad = None

@@ -218,8 +218,8 @@ def build_tier(
     tier = OffloadTier(layout, config, device, rank)
     for index, slot in enumerate(layout.slots):
         master = masters[slot.buffer]
-        span = master.flat.pieces[slot.position]
-        view = master.pieces[slot.position]
+        span = master.flat.spans[slot.position]
+        view = master.views[slot.position]
         if tier.has_master(index):
             values = master.flat.shard[span.shard_start : span.shard_start + span.numel]
             tier.write(index, MASTER, 0, values.float())

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from zerolite.params.flat_buffer import FlatParamBuffer
-from zerolite.plan.layout import ParamPiece
+from zerolite.plan.layout import Span
 from zerolite.state.master import MasterShard
 from zerolite.state.offload import OffloadTier
 from zerolite.state.state_device import loaded_state
@@ -35,9 +35,9 @@ class Piece:
         index: the parameter's position in ``flat``.
         param_start, param_end: the piece's element range in the flattened parameter.
         flat: the flat buffer holding the parameter.
-        offsets: where the piece lies in this rank's shard of ``flat``.
-        master: fp32, ``param_end - param_start`` elements: the piece's master, a tensor
-            of the optimizer's param groups; 1-D, or in the parameter's shape under
+        span: where the piece lies in ``flat`` and in this rank's shard of it.
+        master: fp32, ``param_end - param_start`` elements: the piece's master view, a
+            tensor of the optimizer's param groups; 1-D, or in the parameter's shape under
             whole-tensor ownership (then ``param_start == 0``, ``param_end == numel``).
         state: the optimizer's state of ``master`` (``{}`` before its first step). For an
             offloaded piece, only its scalar entries (``step``): read the rest with
@@ -57,7 +57,7 @@ class Piece:
     param_start: int
     param_end: int
     flat: FlatParamBuffer
-    offsets: ParamPiece
+    span: Span
     master: torch.Tensor
     state: dict[str, Any]
     tier: OffloadTier | None = None
@@ -75,10 +75,10 @@ class Piece:
         if not self.master_offloaded:
             self.master.copy_(values)
             return
-        assert self.tier is not None
-        self.tier.write(self.slot, "master", 0, values)
+        self.tier.write(self.slot, "master", 0, values)  # type: ignore[union-attr]
         # publish() casts only the resident masters into the parameter shard: this one now.
-        self.flat.shard[self.offsets.shard_start :][: self.offsets.numel].copy_(values)
+        start = self.span.shard_start
+        self.flat.shard[start : start + self.span.numel].copy_(values)
 
     def read_master(self) -> torch.Tensor:
         """The piece's fp32 master values (1-D; a new CPU tensor when offloaded)."""
@@ -115,7 +115,7 @@ class FrozenPiece:
     """Stage 3: this rank's piece of one frozen parameter (no master, no state).
 
     Attributes:
-        name, index, param_start, param_end, flat, offsets: as in `Piece`.
+        name, index, param_start, param_end, flat, span: as in `Piece`.
         shard: the piece's values, a 1-D view of ``flat.shard`` (``flat.data.dtype``).
     """
 
@@ -124,7 +124,7 @@ class FrozenPiece:
     param_start: int
     param_end: int
     flat: FlatParamBuffer
-    offsets: ParamPiece
+    span: Span
     shard: torch.Tensor
 
 
@@ -143,19 +143,19 @@ def pieces_of(
     group_of = {id(t): g for g in param_groups for t in g["params"]}
     for b, master in enumerate(masters):
         flat = master.flat
-        for j, (piece, tensor) in enumerate(zip(flat.pieces, master.pieces)):
+        for j, (span, view) in enumerate(zip(flat.spans, master.views)):
             slot = None if tier is None else tier.slot_of(b, j)
             yield Piece(
-                name=flat.names[piece.index],
-                index=piece.index,
-                param_start=piece.param_start,
-                param_end=piece.param_end,
+                name=flat.names[span.index],
+                index=span.index,
+                param_start=span.param_start,
+                param_end=span.param_end,
                 flat=flat,
-                offsets=piece,
-                master=tensor,
-                state=optimizer_state.get(tensor, {}),
+                span=span,
+                master=view,
+                state=optimizer_state.get(view, {}),
                 tier=None if slot is None else tier,
                 slot=-1 if slot is None else slot,
                 optimizer_state=optimizer_state,
-                param_group=group_of.get(id(tensor)),
+                param_group=group_of.get(id(view)),
             )

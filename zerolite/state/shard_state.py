@@ -42,7 +42,7 @@ class ShardState:
     Attributes:
         group: zerolite's data-parallel group.
         config: the `ZeroConfig` the model was sharded with.
-        inner: the user's optimizer (``param_groups`` hold the master pieces).
+        inner: the user's optimizer (``param_groups`` hold the pieces' master views).
         flats: trained parameters' flat buffers, in gradient-bucket order
             (``config.param_dtype``; full, or this rank's shard in stage 3).
         masters: one `MasterShard` (fp32, this rank's shard) per entry of ``flats``.
@@ -116,15 +116,15 @@ class ShardState:
     def frozen_pieces(self) -> Iterator[FrozenPiece]:
         """Stage 3: this rank's piece of every frozen parameter, in layout order."""
         for flat in self.frozen_flats:
-            for piece in flat.pieces:
+            for span in flat.spans:
                 yield FrozenPiece(
-                    name=flat.names[piece.index],
-                    index=piece.index,
-                    param_start=piece.param_start,
-                    param_end=piece.param_end,
+                    name=flat.names[span.index],
+                    index=span.index,
+                    param_start=span.param_start,
+                    param_end=span.param_end,
                     flat=flat,
-                    offsets=piece,
-                    shard=flat.shard[piece.shard_start : piece.shard_start + piece.numel],
+                    span=span,
+                    shard=flat.shard[span.shard_start : span.shard_start + span.numel],
                 )
 
     @property
