@@ -1,4 +1,5 @@
-"""Checkpoints (DESIGN §5) on real gloo groups, real files and real safetensors:
+"""Checkpoints (docs/design.md, "A checkpoint on disk") on real gloo groups, real files and
+real safetensors:
 
 1. exact resume at the same world size and stage (1, 2, 3), dropout included;
 2. resharding to another world size / stage / bucket size is exact, training continues;

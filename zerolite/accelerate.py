@@ -1,7 +1,7 @@
 """Hugging Face Accelerate integration: `ZeroAccelerator` (one-line change) and `setup`.
 
 Accelerate has no plug-in point for a third-party sharding engine, and its defaults
-are wrong for sharded state (DESIGN §6, measured on accelerate 1.15):
+are wrong for sharded state (docs/design.md, "Accelerate"; measured on accelerate 1.15):
 
 - ``prepare()`` wraps the model in DDP whenever there is more than one process:
   gradients would be reduced twice and stage 2's saving would vanish. Here models are

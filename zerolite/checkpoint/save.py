@@ -1,4 +1,4 @@
-"""`save` and `latest`: write a sharded checkpoint atomically (DESIGN §5).
+"""`save` and `latest`: write a sharded checkpoint atomically.
 
 The sequence, and what a crash at each point leaves behind:
 

@@ -35,7 +35,8 @@ allocated at the first step -- is its own line too.
 
 `footprint` counts each distinct storage once (``untyped_storage().data_ptr()``), in
 the order of the fields above: a view shares its base's storage and is not counted
-again. `formula` is DESIGN §3's table for Adam-style state (8 bytes per parameter);
+again. `formula` is the table of docs/design.md ("Memory per rank") for Adam-style state
+(8 bytes per parameter);
 what each stage shards is `zerolite.plan.stages.STAGES`, state bytes `zerolite.plan.optimizers`.
 """
 
@@ -200,7 +201,8 @@ def formula(
     error_feedback: bool = False,
     shard_group_size: int | None = None,
 ) -> MemoryBreakdown:
-    """DESIGN §3's per-rank model states for ``num_params`` parameters, without padding.
+    """The ZeRO paper's per-rank model states for ``num_params`` parameters, without padding
+    (docs/design.md, "Memory per rank").
 
     Args:
         num_params: Ψ, the number of trained parameter elements.

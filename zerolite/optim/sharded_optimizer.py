@@ -1,6 +1,6 @@
 """`ShardedOptimizer`: the user's optimizer, stepping only this rank's shard.
 
-One `step()` runs in three phases (DESIGN §2):
+One `step()` runs in three phases (docs/design.md, "The data path of a step"):
 
 1. **Reduce**: every bucket's gradients are averaged over ranks into this rank's
    shard (stage 2 did most of this during backward; stage 1 does it now).
