@@ -64,7 +64,7 @@ class _GradHooks:
 
     def watch_root(self, model: nn.Module) -> None:
         """Hook ``model``'s forward: count forwards that build a graph (see
-        `zerolite.comm.collectives.Group.forwards`) and run `_before_forward`."""
+        `zerolite.comm.group.Group`: ``forwards``) and run `_before_forward`."""
         owner = weakref.ref(self)
 
         def pre_forward(module: nn.Module, args: Any) -> None:

@@ -101,7 +101,7 @@ SUPPORTED: tuple[OptimizerSpec, ...] = (
     OptimizerSpec(torch.optim.RAdam, lambda group: (8, 4)),  # exp_avg, exp_avg_sq; step
 )
 
-# The allow-list of `zerolite.optim.contract`.
+# The allow-list of `check_optimizer`.
 ELEMENTWISE_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = tuple(s.cls for s in SUPPORTED)
 
 # Shape-aware optimizers whose state the estimator counts, sharded only with whole-tensor

@@ -2,11 +2,11 @@
 
 A *piece* is the intersection of one parameter with this rank's shard of its flat buffer
 (`zerolite.plan.layout`). `Piece` is what the rest of zerolite reads and writes per piece --
-checkpoints, state dicts, loads, estimates -- through `zerolite.state.ShardState.pieces`,
-never by re-deriving ranges: its element range in the parameter, its fp32 master (the
-tensor the user's optimizer steps), its optimizer state, and, when offloaded, the tier
-that holds them. `FrozenPiece` is the same for a frozen parameter sharded in stage 3 (no
-master, no state).
+checkpoints, state dicts, loads, estimates -- through
+`zerolite.state.shard_state.ShardState.pieces`, never by re-deriving ranges: its element
+range in the parameter, its fp32 master (the tensor the user's optimizer steps), its
+optimizer state, and, when offloaded, the tier that holds them. `FrozenPiece` is the same
+for a frozen parameter sharded in stage 3 (no master, no state).
 """
 
 from __future__ import annotations
