@@ -2,11 +2,13 @@
 before the package was reorganised into folders (commit 201468d), and what loading it must
 give. ``tests/test_old_checkpoint.py`` loads it with the current code.
 
-Run from the repository root, with that version checked out (the script reads this rank's
-pieces through its internals, ``zerolite.shard_state``)::
+Run it with that version of the package (it reads each rank's pieces through that
+version's internals, ``zerolite.shard_state``), from the root of a checkout of it::
 
-    git worktree add /tmp/zerolite-201468d 201468d
-    cd /tmp/zerolite-201468d && python -m tests.data.make_old_checkpoint OUT_DIR
+    git worktree add ../zerolite-201468d 201468d
+    mkdir -p ../zerolite-201468d/tests/data
+    cp tests/data/make_old_checkpoint.py ../zerolite-201468d/tests/data/
+    cd ../zerolite-201468d && python -m tests.data.make_old_checkpoint OUT_DIR
 
 then copy ``OUT_DIR`` over ``tests/data/old_checkpoint``. The files are kept as written:
 regenerating them with newer code would defeat their purpose.
