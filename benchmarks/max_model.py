@@ -43,7 +43,7 @@ sys.path.insert(0, str(ROOT))
 import zerolite  # noqa: E402
 from examples.gpt import GPT, GPTConfig, param_groups, random_batch  # noqa: E402
 from zerolite.memory import estimate, formula  # noqa: E402
-from zerolite.shard_state import state_of  # noqa: E402
+from zerolite.state.shard_state import state_of  # noqa: E402
 from zerolite.testing import RankFailure, run_ranks  # noqa: E402
 
 WORLD = 4

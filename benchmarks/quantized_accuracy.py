@@ -227,8 +227,8 @@ def codec() -> None:
     the size of step_time.py's GPT, and the link speed below which the bytes it saves take
     longer to send than it takes to compute (2 ranks: each rank sends and receives half of
     each exchange; one reduce-scatter and one all-gather per step)."""
-    from zerolite.layout import FlatLayout
-    from zerolite.quantize import WireFormat
+    from zerolite.plan.layout import FlatLayout
+    from zerolite.plan.quantization import wire_format
 
     torch.set_num_threads(1)
     numel = sum(p.numel() for p in GPT(BENCH).parameters())
@@ -236,7 +236,7 @@ def codec() -> None:
     print(f"\nquantizer cost, 1 thread, {numel / 1e6:.1f}M elements (one exchange each way)")
     print(f"{'dtype':5s} {'encode+decode ms':>16s} {'MB saved':>9s} {'pays below':>11s}")
     for dtype in (torch.float32, torch.bfloat16):
-        wire = WireFormat(layout, set(), dtype, 256)
+        wire = wire_format(layout, set(), dtype, 256)
         full = torch.randn(layout.padded_numel).to(dtype)
         messages = wire.messages(full.device)
         out = torch.empty(layout.shard_numel, dtype=dtype)

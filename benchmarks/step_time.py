@@ -18,7 +18,7 @@ parameters with fp32 master shards):
                  shards all-reduced across nodes (not in the default list)
     zl2-hybrid-q/zl3-hybrid-q  the same with quantize_gather and quantize_reduce: int8
                  blocks within the node and, for the gradient shards, across nodes
-                 (`zerolite.quantized_replicas`; not in the default list)
+                 (`zerolite.comm.quantized_replicas`; not in the default list)
 
 Per system it prints the median step time, its ratio ("x base") to DDP's median in the
 same round (a -disk system: to the same stage in RAM; mean and spread over rounds), tokens/s,

@@ -92,8 +92,8 @@ def _loop(
         info["rank_state"] = {  # this rank's first piece: proves each rank loaded its own shard
             "rank": accelerator.process_index,
             "first_piece": [
-                sharded.flats[0].names[sharded.flats[0].pieces[0].index],
-                sharded.flats[0].pieces[0].param_start,
+                sharded.flats[0].names[sharded.flats[0].spans[0].index],
+                sharded.flats[0].spans[0].param_start,
             ],
         }
     return {"state": full, "info": info}

@@ -30,7 +30,7 @@ def layout_sums(opt) -> dict:
         "shard_numel": sum(f.layout.shard_numel for f in opt.flats),
         # Optimizer state is created per piece (the part of a parameter inside this rank's
         # shard): it holds the shard's parameter elements, not its padding.
-        "piece_numel": sum(pc.numel for f in opt.flats for pc in f.layout.pieces(rank)),
+        "piece_numel": sum(pc.numel for f in opt.flats for pc in f.layout.spans(rank)),
     }
 
 
@@ -133,7 +133,7 @@ def tier_bytes_held(model) -> int:
     """Bytes the offload tier of ``model`` holds, or 0 without one: for ``"disk"``, the size
     the kernel reports for the (unlinked) file through this process's open descriptor of it,
     found in ``/proc/self/fd``; for ``"host"``, the bytes of the arena tensor's storage."""
-    from zerolite.shard_state import state_of
+    from zerolite.state.shard_state import state_of
 
     tier = state_of(model).offload
     if tier is None:

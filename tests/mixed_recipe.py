@@ -16,8 +16,9 @@ measured here that alone moves a correct data-parallel implementation by ~2e-2 o
 median tensor and up to ~0.8 on the attention qkv biases (the key bias's true gradient
 is 0, so its Adam steps are pure rounding noise) after 10 AdamW steps at lr 1e-2;
 lr 1e-3 or eps 1e-5 still leave several tensors above 1e-2.
-Against it the tests report the errors and bound them, as DESIGN §7 does for fp32,
-by the recipe's own data-parallel noise: <= max(2 x (sliced vs whole), 1e-2).
+Against it the tests report the errors and bound them, as the parity rule does for fp32
+(docs/design.md, "How results are checked"), by the recipe's own data-parallel noise:
+<= max(2 x (sliced vs whole), 1e-2).
 References run single-threaded (`single_thread`), as the ranks do (`run_ranks` sets one
 thread): a different thread count changes matmul rounding, which 10 steps amplify as above.
 """
@@ -36,7 +37,7 @@ from examples.gpt import GPTConfig
 from tests import parity
 
 SMALL_BUCKETS_MB = 0.01  # several flat buffers, some of them padded
-TENSOR_TOL = 1e-2  # per tensor, against the same-recipe reference (DESIGN §7)
+TENSOR_TOL = 1e-2  # per tensor, against the same-recipe reference (docs/design.md)
 LOSS_VS_FP32_TOL = 2e-2  # relative, per step
 # The tensor poisoned at an fp16 run's overflow step: element 0 of the first parameter of
 # zerolite's first flat buffer (buffers are filled in reverse registration order), in rank

@@ -8,7 +8,7 @@ from torch import nn
 
 import zerolite
 from zerolite import RankMismatchError, ZeroConfig
-from zerolite.shard_state import state_of
+from zerolite.state.shard_state import state_of
 from zerolite.testing import run_ranks
 
 

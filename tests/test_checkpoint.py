@@ -1,4 +1,5 @@
-"""Checkpoints (DESIGN §5) on real gloo groups, real files and real safetensors:
+"""Checkpoints (docs/design.md, "A checkpoint on disk") on real gloo groups, real files and
+real safetensors:
 
 1. exact resume at the same world size and stage (1, 2, 3), dropout included;
 2. resharding to another world size / stage / bucket size is exact, training continues;
@@ -106,7 +107,7 @@ def pieces(opt) -> dict[tuple[str, int, int], dict[str, torch.Tensor]]:
     """This rank's fp32 master pieces and their optimizer state, by (name, start, end)."""
     out = {}
     for flat, master in zip(opt.flats, opt.masters):
-        for piece, tensor in zip(flat.pieces, master.pieces):
+        for piece, tensor in zip(flat.spans, master.views):
             entry = {"master": tensor.detach().clone()}
             for key, value in opt.state.get(tensor, {}).items():
                 entry[key] = value.detach().clone() if isinstance(value, torch.Tensor) else value

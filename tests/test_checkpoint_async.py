@@ -337,7 +337,7 @@ def test_save_in_flight_completes_at_interpreter_exit(tmp_path):
 
 
 def _accelerate_async(root: str) -> dict:
-    os.environ["ACCELERATE_USE_CPU"] = "1"  # DESIGN §6: two CPU processes
+    os.environ["ACCELERATE_USE_CPU"] = "1"  # two CPU processes (docs/design.md, "Accelerate")
     from zerolite.accelerate import ZeroAccelerator
 
     accelerator = ZeroAccelerator(zero_config=zerolite.ZeroConfig(stage=2))

@@ -26,7 +26,7 @@ import zerolite
 import zerolite.cli
 from tests import parity
 from zerolite import checkpoint as ckpt
-from zerolite.optim.registry import NAMED
+from zerolite.plan.optimizers import NAMED
 from zerolite.testing import run_ranks
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -1,7 +1,7 @@
 """No module of the package calls a ``torch.distributed`` collective outside the
 communication layer.
 
-Device placement is one decision (`zerolite.devices`), and only the communication layer
+Device placement is one decision (`zerolite.comm.devices`), and only the communication layer
 applies it: every collective of the package runs in one of `COMMUNICATION_MODULES`, so a
 new module that calls ``dist.all_reduce`` (or any other collective) directly -- on a
 CPU tensor that NCCL would refuse, or with a timeout that blocks the host -- fails here.
@@ -20,13 +20,8 @@ import pytest
 PACKAGE = Path(__file__).resolve().parent.parent / "zerolite"
 
 # Where collectives may be called, relative to the package directory.
-COMMUNICATION_MODULES = {
-    "collectives.py": "the data path: reduce-scatter, all-gather, broadcast, gather",
-    "owned_collectives.py": "the data path for uneven (whole-tensor) chunks",
-    "quantized_collectives.py": "the data path for int8 messages",
-    "small_exchange.py": "every small exchange: flags, counters, norms, bytes",
-    "testing.py": "the test launcher: a barrier before it tears its own group down",
-}
+COMMUNICATION_LAYER = "comm/"
+ELSEWHERE = {"testing.py": "the test launcher: a barrier before it tears its own group down"}
 
 # torch.distributed functions that communicate (2.13 names and their older aliases).
 COLLECTIVES = frozenset({
@@ -93,19 +88,25 @@ def test_collectives_are_called_only_in_the_communication_layer():
     outside = {
         module: uses
         for module, source in _modules().items()
-        if module not in COMMUNICATION_MODULES and (uses := collective_uses(source))
+        if not module.startswith(COMMUNICATION_LAYER) and module not in ELSEWHERE
+        and (uses := collective_uses(source))
     }
     assert not outside, (
-        f"torch.distributed collectives called outside the communication layer: {outside}. "
-        "Small values go through zerolite.small_exchange.exchange_small (it places them on "
-        "the group's communication device); data tensors through zerolite.collectives."
+        f"torch.distributed collectives called outside zerolite/comm/: {outside}. Small "
+        "values go through zerolite.comm.small_exchange.exchange_small (it places them on "
+        "the group's communication device); a flat buffer's data through its exchange "
+        "(zerolite.comm.exchange); other data tensors through zerolite.comm.collectives."
     )
 
 
-def test_every_listed_module_communicates():
+def test_the_communication_layer_and_each_exception_communicate():
     modules = _modules()
-    idle = [m for m in COMMUNICATION_MODULES if not collective_uses(modules[m])]
-    assert not idle, f"listed as communication modules but call no collective: {idle}"
+    layer = [
+        m for m in modules if m.startswith(COMMUNICATION_LAYER) and collective_uses(modules[m])
+    ]
+    assert layer, "zerolite/comm/ calls no collective: the check reads the wrong files"
+    idle = [m for m in ELSEWHERE if not collective_uses(modules[m])]
+    assert not idle, f"listed as exceptions but call no collective: {idle}"
 
 
 @pytest.mark.parametrize("source", [
@@ -124,6 +125,6 @@ def test_the_check_ignores_queries_and_other_modules():
     source = (
         "import torch.distributed as dist\nimport torch\n"
         "dist.get_rank(); dist.is_initialized(); dist.new_group([0]); torch.cuda.synchronize()\n"
-        "from zerolite.collectives import all_reduce\nall_reduce(t, group)\n"
+        "from zerolite.comm.collectives import all_reduce\nall_reduce(t, group)\n"
     )
     assert collective_uses(source) == []

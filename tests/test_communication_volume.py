@@ -28,7 +28,7 @@ ODD = GPTConfig(vocab_size=61, seq_len=7, n_layer=1, n_head=3, d_model=9)
 
 def _buckets(model, bucket_mb: float) -> list[int]:
     """Elements of each bucket README's rule makes of ``model``'s parameters (written here,
-    independently of `zerolite.plan`): reverse registration order, greedy up to the byte
+    independently of `zerolite.plan.shard_plan`): reverse registration order, greedy up to the byte
     capacity, a parameter larger than it alone; a tied parameter counted once."""
     capacity = max(1, int(bucket_mb * 2**20))
     sizes, current, used = [], 0, 0

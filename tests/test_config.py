@@ -103,7 +103,7 @@ def test_integrations_fill_only_an_unset_param_dtype(monkeypatch):
 
 def test_stages_compose():
     """The stage table: each stage shards what the one before does, plus the next kind."""
-    from zerolite.stages import STAGES
+    from zerolite.plan.stages import STAGES
 
     kinds = ("shards_optimizer_state", "shards_gradients", "shards_parameters")
     assert sorted(STAGES) == [0, 1, 2, 3]
@@ -116,7 +116,7 @@ def test_stages_compose():
 
 # Every ZEROLITE_* variable README documents: (field, text, what it parses to, an explicit
 # argument that must win over it, a text that must be refused naming the field). Written
-# out here, not read from zerolite.config_env, so that a parser that changes behaviour
+# out here, not read from ZeroConfig's fields, so that a parser that changes behaviour
 # (or a variable that stops being read) fails.
 ENV_CASES = {
     "ZEROLITE_STAGE": ("stage", " 1 ", 1, 3, "two"),
@@ -154,9 +154,8 @@ def _clear_env(monkeypatch) -> None:
 
 def test_every_environment_variable_is_documented_and_tested():
     """The variables zerolite reads are exactly those tested here, and README names each."""
-    from zerolite.config_env import ENV_FIELDS
-
-    assert {env for env, _, _ in ENV_FIELDS.values()} == set(ENV_CASES)
+    variables = {f.metadata["env"] for f in dataclasses.fields(ZeroConfig) if "env" in f.metadata}
+    assert variables == set(ENV_CASES)
     readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
     assert [var for var in ENV_CASES if f"`{var}" not in readme] == []
 

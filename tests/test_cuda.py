@@ -32,11 +32,11 @@ from tests.test_meta_init import PlainGPT
 from zerolite import ZeroConfig
 from zerolite import checkpoint as ckpt
 from zerolite.checkpoint.staging import StagingArea
-from zerolite.collectives import Group, _wait
+from zerolite.comm.collectives import Group, wait_for
+from zerolite.comm.small_exchange import run_small
 from zerolite.memory import footprint, track
-from zerolite.pinned import host_buffer
-from zerolite.shard_state import state_of
-from zerolite.small_exchange import run_small
+from zerolite.state.pinned import host_buffer
+from zerolite.state.shard_state import state_of
 from zerolite.testing import run_ranks
 
 pytestmark = pytest.mark.cuda
@@ -123,7 +123,7 @@ def _wait_timing() -> dict:
     t = torch.ones(1, device="cuda")
     out = {}
     for name, wait in (
-        ("zerolite", lambda work: _wait(work, group, "gpu-check wait")),
+        ("zerolite", lambda work: wait_for(work, group, "gpu-check wait")),
         ("wait(timeout)", lambda work: work.wait(timedelta(seconds=60))),
     ):
         torch.cuda.synchronize()
@@ -252,7 +252,7 @@ def test_pinned_buffers_are_exactly_their_size():
     before = _host_allocator_bytes()
     buffer = host_buffer(nbytes, pinned=True)
     print(f"\n[gpu-check] pinning {nbytes} B: pin_memory=True reserves {by_torch} B, "
-          f"zerolite.pinned {buffer.untyped_storage().nbytes()} B")
+          f"zerolite.state.pinned {buffer.untyped_storage().nbytes()} B")
     assert buffer.is_pinned() and buffer.untyped_storage().nbytes() == nbytes
     assert _host_allocator_bytes() == before  # the caching host allocator is not involved
     ptr = buffer.data_ptr()

@@ -1,6 +1,6 @@
 """Where buffers and small exchanges live, and what a process group can carry (CPU side).
 
-`zerolite.devices` decides from the group's device -> backend map, never from its name:
+`zerolite.comm.devices` decides from the group's device -> backend map, never from its name:
 
 - torch 2.13's own strings, read from real groups: ``"gloo"``, a backend-less
   ``init_process_group()`` (``"undefined"``; ``"cpu:gloo"`` here, ``"cuda:nccl"`` on a GPU
@@ -22,8 +22,8 @@ import torch.distributed as dist
 
 import zerolite
 from tests import parity
-from zerolite.collectives import Group
-from zerolite.devices import (
+from zerolite.comm.collectives import Group
+from zerolite.comm.devices import (
     backends_of,
     buffer_device,
     check_buffer_device,

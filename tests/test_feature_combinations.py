@@ -53,7 +53,7 @@ from zerolite import ZeroConfig
 from zerolite import checkpoint as ckpt
 from zerolite.checkpoint.commit import HOLD_ENV
 from zerolite.memory import estimate, footprint
-from zerolite.shard_state import state_of
+from zerolite.state.shard_state import state_of
 from zerolite.testing import FootprintMismatch, assert_footprint, run_ranks
 
 STEPS = 2
@@ -78,14 +78,15 @@ def _observe(model, opt, spy: CommSpy) -> dict:
     (`tier_bytes_held`), and how many error-feedback residuals (within a shard group; across
     replica groups) hold non-zero values."""
     fp = footprint(opt)
+    exchanges_of = [f.exchange for f in opt.flats]
     return {
         "wire": exchanges(spy.events, K),
         "resident": fp.master + fp.optimizer_state,
         "offloaded": fp.offloaded,
         "tier": tier_bytes_held(model),
-        "residuals": sum(bool(b.residual.any()) for b in opt.buckets if b.residual is not None),
-        "cross_residuals": sum(bool(b.replica_residual.any()) for b in opt.buckets
-                               if b.replica_residual is not None),
+        "residuals": sum(bool(e.residual.any()) for e in exchanges_of if e.residual is not None),
+        "cross_residuals": sum(bool(e.replica_residual.any()) for e in exchanges_of
+                               if e.replica_residual is not None),
     }
 
 
@@ -188,7 +189,8 @@ def _hybrid_quantized() -> dict:
                 "replicas_identical": all(torch.equal(a, b) for a, b in zip(mine, twin)),
                 "params_identical": all(torch.equal(p, params) for p in all_params),
                 "footprint": footprint_ok,
-                "cross_residual_buffers": {b.replica_residual is not None for b in opt.buckets},
+                "cross_residual_buffers": {f.exchange.replica_residual is not None
+                                           for f in opt.flats},
                 "base": unquantized, **observed,
             }
     return out
@@ -400,7 +402,7 @@ def _snapshot(model, opt) -> dict:
     for p in opt.shard_state.pieces():
         entry = {k: v.clone() for k, v in p.read_state().items() if isinstance(v, torch.Tensor)}
         state[p.name, p.param_start] = {"master": p.read_master().clone(), **entry}
-    residuals = [b.residual.clone() for b in opt.buckets if b.residual is not None]
+    residuals = [f.exchange.residual.clone() for f in opt.flats if f.exchange.residual is not None]
     return {"params": _full(model), "state": state, "residuals": residuals}
 
 

@@ -1,10 +1,10 @@
-"""Memory: zerolite's footprint equals DESIGN §3's formula, and every live tensor is counted.
+"""Memory: zerolite's footprint equals the ZeRO formula, and every live tensor is counted.
 
 On real gloo groups (world sizes 2 and 4), for stages 1 and 2 in fp32, bf16 and bf16 with
 fp32 reduction, on the tiny GPT and an odd-width variant with padded flat buffers; one
 launch per world size (a module-scoped fixture), the assertions run here.
 
-- The measured footprint (`zerolite.memory.footprint`) equals DESIGN §3's formula
+- The measured footprint (`zerolite.memory.footprint`) equals the formula of docs/design.md
   (`zerolite.memory.formula`) plus padding computed by the test from the flat-buffer
   layouts plus Adam's 0-dim ``step`` tensors, field by field.
 - Independently of zerolite's own bookkeeping, a census of every live tensor of a rank
@@ -240,12 +240,12 @@ def test_dropped_model_and_optimizer_are_freed(memory_run):
 
 
 def test_formula_reproduces_zero_paper_example():
-    """7.5e9 params, N=64, bf16: 120, 31.4, 16.6, 1.88 GB (DESIGN §3)."""
+    """7.5e9 params, N=64, bf16: 120, 31.4, 16.6, 1.88 GB (the ZeRO paper's example)."""
     psi, n = 7_500_000_000, 64
     mp = {s: formula(psi, world_size=n, stage=s, param_dtype=torch.bfloat16) for s in range(4)}
     got = [f"{mp[s].model_states / 1e9:.3g}" for s in range(4)]
     assert got == ["120", "31.4", "16.6", "1.88"]
-    # DESIGN §3's table, term by term (Ψ divisible by N, so exact).
+    # docs/design.md's table ("Memory per rank"), term by term (Ψ divisible by N, so exact).
     assert mp[0] == MemoryBreakdown(params=2 * psi, grads=2 * psi, master=4 * psi,
                                     optimizer_state=8 * psi)
     assert mp[1] == MemoryBreakdown(params=2 * psi, grads=2 * psi, master=4 * psi // n,

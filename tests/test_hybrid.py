@@ -1,4 +1,4 @@
-"""Hybrid sharding (`zerolite.hybrid`): 4 gloo ranks as 2 "nodes" x 2, k = 2.
+"""Hybrid sharding (`zerolite.comm.hybrid`): 4 gloo ranks as 2 "nodes" x 2, k = 2.
 
 Two launches of 4 ranks; the ranks measure and the assertions run here (checkpoints and
 bad input: `tests.test_hybrid_checkpoint`).

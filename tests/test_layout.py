@@ -4,7 +4,7 @@ import itertools
 
 import pytest
 
-from zerolite.layout import FlatLayout, size_partition
+from zerolite.plan.layout import FlatLayout, size_partition
 
 SIZES = [
     (1,),
@@ -28,7 +28,7 @@ def test_every_element_owned_once(numels, world_size):
     for rank in range(world_size):
         lo, hi = layout.shard_range(rank)
         assert hi - lo == layout.shard_numel
-        for piece in layout.pieces(rank):
+        for piece in layout.spans(rank):
             start, _ = layout.param_range(piece.index)
             assert piece.numel > 0
             for k in range(piece.numel):
@@ -57,7 +57,7 @@ def test_offsets_are_contiguous():
 
 def test_one_element_param_has_one_owner():
     layout = FlatLayout((1,), 3)
-    assert [len(layout.pieces(r)) for r in range(3)] == [1, 0, 0]
+    assert [len(layout.spans(r)) for r in range(3)] == [1, 0, 0]
     assert layout.padding == 2
 
 

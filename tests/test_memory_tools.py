@@ -16,7 +16,7 @@ import zerolite
 from tests import parity
 from zerolite.memory import STATE_BYTES_PER_PARAM, estimate, footprint, formula, track
 from zerolite.optim import ELEMENTWISE_OPTIMIZERS
-from zerolite.optim.registry import SUPPORTED, build_named
+from zerolite.plan.optimizers import SUPPORTED, build_named
 from zerolite.testing import FootprintMismatch, assert_footprint, run_ranks
 
 ROOT = Path(__file__).resolve().parent.parent

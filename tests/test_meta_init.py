@@ -22,7 +22,7 @@ from zerolite.testing import run_ranks
 
 class PlainGPT(GPT):
     """The example GPT initialised only by its layers' own ``reset_parameters()``: the
-    kind of model whose meta build equals its normal build (see zerolite.meta_init)."""
+    kind of model whose meta build equals its normal build (see zerolite.params.meta_init)."""
 
     @staticmethod
     def init_weights(module: nn.Module) -> None:
@@ -226,6 +226,14 @@ def _conv1d_case(path: str) -> dict:
     zerolite.checkpoint.load(f"{path}.ckpt", model, opt)
     with torch.no_grad():
         out["resumed"] = torch.equal(model(x), normal(x))
+    # Through a module wrapping the sharded one (load accepts it), the same.
+    with torch.device("meta"):
+        inner = GPT2Style().eval()
+    opt = zerolite.shard(inner, torch.optim.AdamW(inner.parameters()), zerolite.ZeroConfig(stage=3))
+    wrapper = nn.Sequential(inner)
+    zerolite.checkpoint.load(f"{path}.ckpt", wrapper, opt)
+    with torch.no_grad():
+        out["resumed_through_a_wrapper"] = torch.equal(wrapper(x), normal(x))
     with torch.device("meta"):
         rotary = nn.Sequential(Rotary(8), Rotary(8))
     zerolite.shard(
@@ -252,7 +260,7 @@ def test_meta_built_conv1d_model_needs_and_takes_pretrained_weights(tmp_path, wo
             assert "'h.0.c_attn.bias', 'h.0.c_attn.weight'" in message, message  # Conv1D's, named
             # reset_parameters() covered those
             assert "ln_1" not in message and "wte" not in message
-        assert r["resumed"]
+        assert r["resumed"] and r["resumed_through_a_wrapper"]
         message = r["rotary"]["refused"]
         assert "left on the meta device" in message and "['0.inv_freq', '1.inv_freq']" in message, (
             message

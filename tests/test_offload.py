@@ -38,8 +38,9 @@ from tests import parity
 from tests.memory_accounting import tier_bytes_held
 from zerolite import checkpoint as ckpt
 from zerolite.memory import estimate, footprint, track
-from zerolite.optim.offload import OffloadLayout, check_offload
-from zerolite.shard_state import state_of
+from zerolite.plan.offload import OffloadLayout
+from zerolite.state.offload import check_offload
+from zerolite.state.shard_state import state_of
 from zerolite.testing import run_ranks
 
 STEPS = 3

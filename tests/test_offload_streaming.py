@@ -19,7 +19,7 @@ import torch
 import zerolite
 from tests import parity
 from zerolite import checkpoint as ckpt
-from zerolite.shard_state import state_of
+from zerolite.state.shard_state import state_of
 from zerolite.testing import run_ranks
 
 STEPS = 2

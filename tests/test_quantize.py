@@ -18,9 +18,10 @@ import pytest
 import torch
 
 from zerolite import ZeroConfig
-from zerolite.layout import FlatLayout
+from zerolite.comm.codec import ChunkCodec, dequantize_blocks, quantize_blocks
 from zerolite.memory import formula
-from zerolite.quantize import ChunkCodec, WireFormat, dequantize_blocks, quantize_blocks
+from zerolite.plan.layout import FlatLayout
+from zerolite.plan.quantization import wire_format
 
 BLOCK = 64
 
@@ -104,7 +105,7 @@ def test_chunk_codec_sends_raw_ranges_exactly() -> None:
 def test_wire_format_skips_small_parameters_and_pads_messages_equally() -> None:
     # Params of 500, 10 (raw: under a block) and 300 elements over 2 ranks: shards of 405.
     layout = FlatLayout((500, 10, 300), 2)
-    wire = WireFormat(layout, {1}, torch.float32, BLOCK)
+    wire = wire_format(layout, {1}, torch.float32, BLOCK)
     first, second = wire.chunks
     assert first.raw == [] and second.raw == [(95, 105)]
     assert first.nbytes == 4 * 7 + 405

@@ -38,11 +38,12 @@ from tests.comm_spy import CommSpy, exchanges
 from tests.loss_checks import worst_deviation
 from zerolite import ZeroConfig
 from zerolite import checkpoint as ckpt
-from zerolite.collectives import Group
-from zerolite.layout import FlatLayout
-from zerolite.quantize import ChunkCodec, WireFormat
-from zerolite.quantized_collectives import quantized_all_gather, quantized_reduce_scatter_avg
-from zerolite.shard_state import state_of
+from zerolite.comm.codec import ChunkCodec
+from zerolite.comm.collectives import Group
+from zerolite.comm.quantized import quantized_all_gather, quantized_reduce_scatter_avg
+from zerolite.plan.layout import FlatLayout
+from zerolite.plan.quantization import wire_format
+from zerolite.state.shard_state import state_of
 from zerolite.testing import FootprintMismatch, assert_footprint, run_ranks
 
 BLOCK = 64
@@ -75,7 +76,7 @@ def _exchanges_rank(collectives: str) -> dict:
     g = torch.Generator().manual_seed(rank)
 
     # All-gather: this rank's chunk is its own; every rank decodes every chunk.
-    wire = WireFormat(layout, {1}, torch.float32, BLOCK)
+    wire = wire_format(layout, {1}, torch.float32, BLOCK)
     full = torch.zeros(layout.padded_numel)
     lo, hi = layout.shard_range(rank)
     mine = torch.randn(hi - lo, generator=g) * (rank + 1)
@@ -94,7 +95,7 @@ def _exchanges_rank(collectives: str) -> dict:
         out["gather_raw_exact"] = torch.equal(full[raw_lo:raw_hi], mine[raw_lo - lo : raw_hi - lo])
 
     # Reduce-scatter: contributions of different magnitudes per rank.
-    rwire = WireFormat(layout, {1}, torch.float32, BLOCK)
+    rwire = wire_format(layout, {1}, torch.float32, BLOCK)
     contribution = torch.randn(layout.padded_numel, generator=g) * (rank + 1)
     everyone = [torch.empty_like(contribution) for _ in range(n)]
     dist.all_gather(everyone, contribution)
@@ -171,8 +172,8 @@ def _training_rank() -> dict:
                                               quantize_reduce=True)
             out["loss_rel"][label] = worst_deviation(losses, base)
             out["wire"][label] = {"quantized": wire, "unquantized": plain}
-            out["residuals"][label] = [bool(b.residual.any()) for b in opt.buckets
-                                       if b.residual is not None]
+            out["residuals"][label] = [bool(b.flat.exchange.residual.any()) for b in opt.buckets
+                                       if b.flat.exchange.residual is not None]
             flats = state_of(model).flats
             with zerolite.gathered_parameters(model):
                 full = torch.cat([f.data.float() for f in flats])
@@ -185,7 +186,7 @@ def _training_rank() -> dict:
             except FootprintMismatch as exc:
                 out["footprint"][label] = str(exc)
             if stage == 2:
-                out["residual_bytes"] = opt.shard_state.reducer.buckets[0].residual.numel()
+                out["residual_bytes"] = opt.flats[0].exchange.residual.numel()
     # Only the gather quantized, stages 1-2: the first step starts from exact (broadcast)
     # parameters, so its masters equal the unquantized run's bit for bit.
     for stage in (1, 2):
@@ -312,19 +313,21 @@ def _resume_rank(root: str, drop_residuals: bool) -> dict:
     end = torch.cat([m.data for m in opt.masters])
     model, opt = build()
     parity.train(model, opt, data[:3], sliced=True)
-    saved = [b.residual.clone() for b in opt.buckets]
+    saved = [b.flat.exchange.residual.clone() for b in opt.buckets]
     ckpt.save(f"{root}/step3", model, opt)
     # The in-memory per-rank state dict carries them too.
     state = opt.state_dict()
     model_sd, opt_sd = build()
     opt_sd.load_state_dict(state)
-    in_state_dict = all(torch.equal(a, b.residual) for a, b in zip(saved, opt_sd.buckets))
+    in_state_dict = all(
+        torch.equal(a, b.flat.exchange.residual) for a, b in zip(saved, opt_sd.buckets)
+    )
     model, opt = build()
     ckpt.load(f"{root}/step3", model, opt)
-    restored = all(torch.equal(a, b.residual) for a, b in zip(saved, opt.buckets))
+    restored = all(torch.equal(a, b.flat.exchange.residual) for a, b in zip(saved, opt.buckets))
     if drop_residuals:
         for b in opt.buckets:
-            b.residual.zero_()
+            b.flat.exchange.residual.zero_()
     resumed = parity.train(model, opt, data[3:], sliced=True)
     # Another layout (bucket size): the saved residuals do not apply; they restart at zero.
     other = dataclasses.replace(config, bucket_size_mb=0.02)
@@ -334,7 +337,7 @@ def _resume_rank(root: str, drop_residuals: bool) -> dict:
     with _warnings("zerolite.checkpoint.residuals") as seen:
         ckpt.load(f"{root}/step3", model2, opt2)
     return {
-        "restarted": all(not b.residual.any() for b in opt2.buckets) and bool(seen),
+        "restarted": all(not b.flat.exchange.residual.any() for b in opt2.buckets) and bool(seen),
         "restored": restored and in_state_dict,
         "nonzero": any(bool(s.any()) for s in saved),
         "losses_equal": resumed == straight[3:],

@@ -1,4 +1,4 @@
-"""Hybrid sharding's quantized cross-node step (`zerolite.quantized_replicas`), on real
+"""Hybrid sharding's quantized cross-node step (`zerolite.comm.quantized_replicas`), on real
 gloo groups.
 
 - The two-phase exchange alone, over a replica group of 3 ranks (pieces of uneven
@@ -32,13 +32,13 @@ from tests.comm_spy import CommSpy, link_bytes
 from tests.test_quantized_collectives import BLOCK, _bound, _warnings
 from zerolite import ZeroConfig
 from zerolite import checkpoint as ckpt
-from zerolite.collectives import Group, Pending
-from zerolite.layout import FlatLayout
-from zerolite.quantized_replicas import (
+from zerolite.comm.collectives import Group, Pending
+from zerolite.comm.quantized_replicas import (
     quantized_average_across_replicas,
     replica_residual_shape,
-    replica_wire,
 )
+from zerolite.plan.layout import FlatLayout
+from zerolite.plan.quantization import replica_wire
 from zerolite.testing import run_ranks
 
 TIMEOUT = 120.0
@@ -160,7 +160,7 @@ def _residuals(opt) -> list[torch.Tensor]:
     return [
         t.clone()
         for b in opt.buckets
-        for t in (b.residual, b.replica_residual)
+        for t in (b.flat.exchange.residual, b.flat.exchange.replica_residual)
         if t is not None
     ]
 
@@ -191,8 +191,8 @@ def _resume_rank(root: str, drop: bool) -> dict:
     restored = all(torch.equal(a, b) for a, b in zip(saved, _residuals(opt)))
     if drop:
         for b in opt.buckets:
-            b.residual.zero_()
-            b.replica_residual.zero_()
+            b.flat.exchange.residual.zero_()
+            b.flat.exchange.replica_residual.zero_()
     resumed = parity.train(model, opt, data[3:], sliced=True)
     # Another layout (k = 4: no replicas): the saved residuals do not apply.
     model2, opt2 = build(dataclasses.replace(config, shard_group_size=None))

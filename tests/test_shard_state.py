@@ -1,4 +1,5 @@
-"""`zerolite.shard_state`: one `ShardState` per sharded model, found by identity, freed with it."""
+"""`zerolite.state.shard_state`: one `ShardState` per sharded model, found by identity, freed
+with it."""
 
 from __future__ import annotations
 
@@ -10,8 +11,8 @@ import torch
 from torch import nn
 
 import zerolite
-from zerolite import shard_state
-from zerolite.shard_state import register, state_of
+from zerolite.state import shard_state
+from zerolite.state.shard_state import register, state_of
 from zerolite.testing import run_ranks
 
 
@@ -48,8 +49,8 @@ class _EqualModule(nn.Module):
 
 def test_registry_keys_by_identity_and_forgets_dead_models():
     first, second = _EqualModule(), _EqualModule()
-    state = SimpleNamespace(optimizer=None)  # the registry reads nothing else
-    register(first, state)  # type: ignore[arg-type]
+    state = SimpleNamespace()  # the registry reads nothing of it
+    register(first, state, None)  # type: ignore[arg-type]
     assert state_of(first) is state
     assert state_of(second) is None and state_of(object()) is None
     key, alive = id(first), weakref.ref(first)
@@ -72,14 +73,14 @@ def _owned_state(stage: int) -> dict:
     model(torch.randn(4, 6)).sum().backward()
     opt.step()
     state = state_of(model)
-    assert state is opt.shard_state and state.optimizer is opt and state.model is model
+    assert state is opt.shard_state and state.model is model
     assert (state.scheduler is None) == (stage < 3)
     leftovers = [k for k in vars(model) if k.startswith("_zerolite")]
     # The same records as walking flats and masters side by side, with the step's state.
     expected = [
         (flat.names[pc.index], pc.param_start, pc.param_end, id(t))
         for flat, master in zip(opt.flats, opt.masters)
-        for pc, t in zip(flat.pieces, master.pieces)
+        for pc, t in zip(flat.spans, master.views)
     ]
     pieces = list(state.pieces())
     got = [(p.name, p.param_start, p.param_end, id(p.master)) for p in pieces]

@@ -13,7 +13,7 @@ from examples.gpt import GPT
 from tests import parity
 from tests.test_stage3 import LiveUnitMeter, _unit_bytes
 from zerolite.memory import footprint
-from zerolite.shard_state import state_of
+from zerolite.state.shard_state import state_of
 from zerolite.testing import run_ranks
 
 

@@ -15,8 +15,8 @@ import torch
 import zerolite
 from tests import parity
 from zerolite import checkpoint as ckpt
-from zerolite.shard_state import state_of
-from zerolite.state_device import loaded_state, state_device
+from zerolite.state.shard_state import state_of
+from zerolite.state.state_device import loaded_state, state_device
 from zerolite.testing import run_ranks
 
 META = torch.device("meta")

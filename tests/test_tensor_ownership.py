@@ -201,7 +201,7 @@ def _ownership_cases() -> dict:
             merged[n] = k
     loads = [sum(c.values()) for c in counts]
     expected = max(loads) / min(loads)
-    # README's rule, written here (not zerolite.tensor_layout's code): largest tensor first,
+    # README's rule, written here (not zerolite.plan.owners's code): largest tensor first,
     # each to the least-loaded rank; the loads it gives, whatever the tie-breaks.
     greedy = [0] * world
     for n in sorted((p.numel() for p in model.parameters()), reverse=True):
@@ -286,7 +286,7 @@ def _refusal_cases() -> dict:
         except (TypeError, ValueError) as exc:
             messages[label] = f"{type(exc).__name__}: {exc}"
             assert all(torch.equal(a, p) for a, p in zip(before, model.parameters())), label
-            assert zerolite.shard_state.state_of(model) is None, label
+            assert zerolite.state.shard_state.state_of(model) is None, label
         else:
             messages[label] = "accepted"
 
@@ -361,8 +361,8 @@ def test_partition_config_and_environment(monkeypatch) -> None:
 
 
 def test_owners_are_greedy_deterministic_and_laid_out_whole() -> None:
-    from zerolite.layout import FlatLayout
-    from zerolite.tensor_layout import balance, imbalance
+    from zerolite.plan.layout import FlatLayout
+    from zerolite.plan.owners import balance, imbalance
 
     sizes = [5, 100, 7, 100, 3, 60]
     owners = balance(sizes, 3)
@@ -371,7 +371,7 @@ def test_owners_are_greedy_deterministic_and_laid_out_whole() -> None:
     layout = FlatLayout(tuple(sizes[i] for i in order), 3, tuple(owners[i] for i in order))
     assert layout.chunk_sizes == (100, 100, 75) and layout.padding == 0
     for rank in range(3):
-        pieces = layout.pieces(rank)
+        pieces = layout.spans(rank)
         assert all(p.param_start == 0 and p.numel == layout.numels[p.index] for p in pieces)
         assert sum(p.numel for p in pieces) == layout.shard_size(rank)
     assert imbalance([layout.chunk_sizes], 3) == pytest.approx(100 / 75)

@@ -74,7 +74,7 @@ def _head_b_pieces(model, opt):
     ids = {id(model.head_b.weight), id(model.head_b.bias)}
     out = []
     for flat, master in zip(opt.flats, opt.masters):
-        for pc, t in zip(flat.pieces, master.pieces):
+        for pc, t in zip(flat.spans, master.views):
             if id(flat.params[pc.index]) in ids:
                 out.append(t)
     return out

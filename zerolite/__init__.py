@@ -3,10 +3,11 @@
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
     opt = zerolite.shard(model, opt, zerolite.ZeroConfig(stage=2))
 
-See README.md for the full picture. The subpackages ``zerolite.memory``,
-``zerolite.checkpoint``, ``zerolite.testing``, ``zerolite.accelerate`` and ``zerolite.hf``
-are attributes of the package, imported on first use (``import zerolite`` stays cheap and
-never imports transformers).
+See README.md for the full picture, and docs/design.md for how it is built and what its
+words mean (flat buffer, shard, chunk, piece, span, unit, bucket, slot: its "Words"). The
+subpackages ``zerolite.memory``, ``zerolite.checkpoint``, ``zerolite.testing``,
+``zerolite.accelerate`` and ``zerolite.hf`` are attributes of the package, imported on first
+use (``import zerolite`` stays cheap and never imports transformers).
 """
 
 import importlib
@@ -15,8 +16,7 @@ from typing import Any
 from zerolite._version import __version__
 from zerolite.config import ZeroConfig
 from zerolite.errors import CollectiveTimeout, RankMismatchError
-from zerolite.full_state_dict import full_state_dict
-from zerolite.gathered import gathered_parameters, iter_full_state_dict
+from zerolite.gathered import full_state_dict, gathered_parameters, iter_full_state_dict
 from zerolite.optim.sharded_optimizer import ShardedOptimizer
 from zerolite.zero import shard
 

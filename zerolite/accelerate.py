@@ -1,7 +1,7 @@
 """Hugging Face Accelerate integration: `ZeroAccelerator` (one-line change) and `setup`.
 
 Accelerate has no plug-in point for a third-party sharding engine, and its defaults
-are wrong for sharded state (DESIGN §6, measured on accelerate 1.15):
+are wrong for sharded state (docs/design.md, "Accelerate"; measured on accelerate 1.15):
 
 - ``prepare()`` wraps the model in DDP whenever there is more than one process:
   gradients would be reduced twice and stage 2's saving would vanish. Here models are
@@ -18,7 +18,7 @@ are wrong for sharded state (DESIGN §6, measured on accelerate 1.15):
   kept anyway); stages >= 2 reduce-scatter every micro-step instead, keeping their
   memory saving (as Accelerate does for DeepSpeed ZeRO >= 2).
 - a model built under ``torch.device("meta")`` is not moved by ``prepare()``:
-  `zerolite.shard` materialises it on the accelerator's device (`zerolite.meta_init`).
+  `zerolite.shard` materialises it on the accelerator's device (`zerolite.params.meta_init`).
 - ``mixed_precision: bf16`` means bf16 parameters with fp32 master shards
   (``param_dtype=torch.bfloat16``); ``fp16`` uses zerolite's loss scaler (CUDA only).
 """
@@ -49,7 +49,7 @@ from torch import nn
 import zerolite.checkpoint
 from zerolite.checkpoint.pending_save import PendingSave, finish_in_flight_everywhere
 from zerolite.config import ZeroConfig
-from zerolite.full_state_dict import full_state_dict
+from zerolite.gathered import full_state_dict
 from zerolite.optim.sharded_optimizer import ShardedOptimizer
 from zerolite.zero import shard
 

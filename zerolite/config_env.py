@@ -1,15 +1,43 @@
-"""Each `ZeroConfig` field's environment variable, its parser, and the allowed values.
+"""How the text of a ``ZEROLITE_*`` variable becomes a `ZeroConfig` value; the allowed values.
 
-`ZeroConfig.__post_init__` fills a field the caller did not pass from its ``ZEROLITE_*``
-variable (parsed here, with a `ValueError` naming the variable's field), else its default.
+Each field of `zerolite.config.ZeroConfig` names its variable and one parser of this module
+where it is declared. A parser takes the field's name and the variable's text and raises a
+`ValueError` naming both when it cannot read the text; what it reads is then validated like
+an argument.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
+
+__all__ = [
+    "ALLOWED_DTYPES",
+    "COLLECTIVES",
+    "OFFLOAD_TIERS",
+    "PARTITIONS",
+    "QUANT_BLOCK_RANGE",
+    "UNSET",
+    "parse_bool",
+    "parse_choice",
+    "parse_device",
+    "parse_dtype",
+    "parse_float",
+    "parse_group_size",
+    "parse_int",
+    "parse_names",
+    "parse_optional_choice",
+    "parse_optional_dtype",
+    "parse_path",
+]
+
+ALLOWED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# quant_block bounds: a block's fp32 scale costs 4/quant_block bytes per element.
+QUANT_BLOCK_RANGE = (16, 1 << 20)
+COLLECTIVES = ("auto", "native", "point_to_point")
+PARTITIONS = ("flat", "tensor", "auto")
+OFFLOAD_TIERS = (None, "disk", "host")
 
 _DTYPES: dict[str, torch.dtype] = {
     "fp32": torch.float32,
@@ -19,7 +47,6 @@ _DTYPES: dict[str, torch.dtype] = {
     "fp16": torch.float16,
     "float16": torch.float16,
 }
-ALLOWED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 class _Unset:
@@ -32,7 +59,32 @@ class _Unset:
 UNSET: Any = _Unset()
 
 
-def _parse_dtype(field: str, raw: str) -> torch.dtype:
+def _none(raw: str) -> bool:
+    return raw.strip().lower() in ("", "none")
+
+
+def parse_int(field: str, raw: str) -> int:
+    """An int, as ``int()`` reads it (``" 2 "``)."""
+    return _number(field, raw, int)
+
+
+def parse_float(field: str, raw: str) -> float:
+    """A float, as ``float()`` reads it (``"0.5"``, ``"1e-3"``)."""
+    return _number(field, raw, float)
+
+
+def _number(field: str, raw: str, kind: type) -> Any:
+    try:
+        return kind(raw)
+    except ValueError:
+        raise ValueError(
+            f"ZeroConfig.{field}: environment value {raw!r} is not a {kind.__name__}"
+        ) from None
+
+
+def parse_dtype(field: str, raw: str) -> torch.dtype:
+    """``fp32``/``float32``, ``bf16``/``bfloat16``, ``fp16``/``float16`` (case and a
+    ``torch.`` prefix forgiven)."""
     key = raw.strip().lower().removeprefix("torch.")
     if key not in _DTYPES:
         raise ValueError(
@@ -42,7 +94,13 @@ def _parse_dtype(field: str, raw: str) -> torch.dtype:
     return _DTYPES[key]
 
 
-def _parse_bool(field: str, raw: str) -> bool:
+def parse_optional_dtype(field: str, raw: str) -> torch.dtype | None:
+    """A dtype as `parse_dtype`, or ``none`` (or nothing) for None."""
+    return None if _none(raw) else parse_dtype(field, raw)
+
+
+def parse_bool(field: str, raw: str) -> bool:
+    """``1``/``true``/``yes``/``on`` or ``0``/``false``/``no``/``off``."""
     key = raw.strip().lower()
     if key in ("1", "true", "yes", "on"):
         return True
@@ -51,26 +109,39 @@ def _parse_bool(field: str, raw: str) -> bool:
     raise ValueError(f"ZeroConfig.{field}: environment value {raw!r} is not a boolean (use 0 or 1)")
 
 
-def _parse_number(field: str, raw: str, kind: type) -> Any:
-    try:
-        return kind(raw)
-    except ValueError:
-        raise ValueError(
-            f"ZeroConfig.{field}: environment value {raw!r} is not a {kind.__name__}"
-        ) from None
-
-
-def _parse_device(raw: str) -> torch.device:
+def parse_device(field: str, raw: str) -> torch.device:
+    """A device string (``cpu``, ``cuda:0``)."""
     try:
         return torch.device(raw.strip())
     except (RuntimeError, TypeError):
         raise ValueError(
-            f"ZeroConfig.device: environment value {raw!r} is not a device; use e.g. 'cpu' or "
+            f"ZeroConfig.{field}: environment value {raw!r} is not a device; use e.g. 'cpu' or "
             "'cuda:0'"
         ) from None
 
 
-def _parse_group_size(raw: str) -> int | str | None:
+def parse_choice(field: str, raw: str) -> str:
+    """A choice, lower-cased and stripped (checked against the allowed ones afterwards)."""
+    return raw.strip().lower()
+
+
+def parse_optional_choice(field: str, raw: str) -> str | None:
+    """A choice as `parse_choice`, or ``none`` (or nothing) for None."""
+    return None if _none(raw) else raw.strip().lower()
+
+
+def parse_path(field: str, raw: str) -> str | None:
+    """A path as written; empty for None."""
+    return raw or None
+
+
+def parse_names(field: str, raw: str) -> tuple[str, ...]:
+    """Comma-separated names, whitespace and empty entries dropped."""
+    return tuple(name.strip() for name in raw.split(",") if name.strip())
+
+
+def parse_group_size(field: str, raw: str) -> int | str | None:
+    """``none`` (or nothing), ``node``, or an int."""
     key = raw.strip().lower()
     if key in ("", "none"):
         return None
@@ -80,77 +151,5 @@ def _parse_group_size(raw: str) -> int | str | None:
         return int(key)
     except ValueError:
         raise ValueError(
-            f"ZeroConfig.shard_group_size: environment value {raw!r} is not 'none', 'node' or an "
-            "int"
+            f"ZeroConfig.{field}: environment value {raw!r} is not 'none', 'node' or an int"
         ) from None
-
-
-# field -> (environment variable, parser of its text, default)
-ENV_FIELDS: dict[str, tuple[str, Callable[[str], Any], Any]] = {
-    "stage": ("ZEROLITE_STAGE", lambda s: _parse_number("stage", s, int), 2),
-    "param_dtype": (
-        "ZEROLITE_PARAM_DTYPE",
-        lambda s: _parse_dtype("param_dtype", s),
-        torch.float32,
-    ),
-    "reduce_dtype": (
-        "ZEROLITE_REDUCE_DTYPE",
-        lambda s: None if s.strip().lower() in ("", "none") else _parse_dtype("reduce_dtype", s),
-        None,
-    ),
-    "bucket_size_mb": (
-        "ZEROLITE_BUCKET_SIZE_MB",
-        lambda s: _parse_number("bucket_size_mb", s, float),
-        25.0,
-    ),
-    "device": ("ZEROLITE_DEVICE", _parse_device, None),
-    "prefetch": ("ZEROLITE_PREFETCH", lambda s: _parse_number("prefetch", s, int), 1),
-    "reshard_after_forward": (
-        "ZEROLITE_RESHARD_AFTER_FORWARD",
-        lambda s: _parse_bool("reshard_after_forward", s),
-        True,
-    ),
-    "collectives": ("ZEROLITE_COLLECTIVES", lambda s: s.strip().lower(), "auto"),
-    "timeout_s": ("ZEROLITE_TIMEOUT_S", lambda s: _parse_number("timeout_s", s, float), 600.0),
-    "partition": ("ZEROLITE_PARTITION", lambda s: s.strip().lower(), "auto"),
-    "offload": (
-        "ZEROLITE_OFFLOAD",
-        lambda s: None if s.strip().lower() in ("", "none") else s.strip().lower(),
-        None,
-    ),
-    "offload_dir": ("ZEROLITE_OFFLOAD_DIR", lambda s: s or None, None),
-    "offload_fraction": (
-        "ZEROLITE_OFFLOAD_FRACTION",
-        lambda s: _parse_number("offload_fraction", s, float),
-        1.0,
-    ),
-    "quantize_gather": (
-        "ZEROLITE_QUANTIZE_GATHER",
-        lambda s: _parse_bool("quantize_gather", s),
-        False,
-    ),
-    "quantize_reduce": (
-        "ZEROLITE_QUANTIZE_REDUCE",
-        lambda s: _parse_bool("quantize_reduce", s),
-        False,
-    ),
-    "quant_block": ("ZEROLITE_QUANT_BLOCK", lambda s: _parse_number("quant_block", s, int), 256),
-    "quantize_skip": (
-        "ZEROLITE_QUANTIZE_SKIP",
-        lambda s: tuple(name.strip() for name in s.split(",") if name.strip()),
-        (),
-    ),
-    "error_feedback": (
-        "ZEROLITE_ERROR_FEEDBACK",
-        lambda s: _parse_bool("error_feedback", s),
-        True,
-    ),
-    "shard_group_size": ("ZEROLITE_SHARD_GROUP_SIZE", lambda s: _parse_group_size(s), None),
-}
-
-# quant_block bounds: a block's fp32 scale costs 4/quant_block bytes per element.
-QUANT_BLOCK_RANGE = (16, 1 << 20)
-
-COLLECTIVES = ("auto", "native", "point_to_point")
-PARTITIONS = ("flat", "tensor", "auto")
-OFFLOAD_TIERS = (None, "disk", "host")

@@ -1,10 +1,12 @@
-"""Full parameters on demand: `gathered_parameters` and `iter_full_state_dict`.
+"""Full parameters on demand: `gathered_parameters`, `iter_full_state_dict`, `full_state_dict`.
 
 Stage 3 keeps only shards between uses. These gather on request -- all units at once
 inside `gathered_parameters` (for inspection, custom initialisation, or an edit made on
 one rank and broadcast), or one unit at a time in `iter_full_state_dict` (streaming a
-full state dict with a peak of one unit). In stages 1-2 parameters are always full and
-both are cheap.
+full state dict with a peak of one unit) and `full_state_dict` (the unsharded
+``model.state_dict()``, which stage 3 refuses, copied out unit by unit, so the device never
+holds more than one extra unit). In stages 1-2 parameters are always full and all three
+are cheap.
 """
 
 from __future__ import annotations
@@ -15,11 +17,12 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from zerolite.collectives import broadcast
-from zerolite.shard_state import require_state, state_of
-from zerolite.unit_scheduler import UnitScheduler
+from zerolite.checkpoint.rank_file import state_dict_names
+from zerolite.comm.collectives import broadcast
+from zerolite.params.unit_scheduler import UnitScheduler
+from zerolite.state.shard_state import require_state, state_of
 
-__all__ = ["gathered_parameters", "iter_full_state_dict"]
+__all__ = ["full_state_dict", "gathered_parameters", "iter_full_state_dict"]
 
 
 @contextlib.contextmanager
@@ -130,6 +133,41 @@ def iter_full_state_dict(
     for name, tensor in entries.items():
         if id(tensor) not in done:
             yield name, _copy(tensor, to_cpu)
+
+
+@torch.no_grad()
+def full_state_dict(
+    model: nn.Module, rank0_only: bool = True, to_cpu: bool = True
+) -> dict[str, torch.Tensor]:
+    """The model's full state dict (names and shapes of the unsharded ``model.state_dict()``).
+
+    Every rank must call it (stage 3 all-gathers each unit in turn, so the device holds
+    at most one extra unit). Tied parameters appear under each of their names, sharing
+    one tensor, as in ``model.state_dict()``.
+
+    Args:
+        model: a model sharded by `zerolite.shard` (any stage), or a plain model.
+        rank0_only: only rank 0 keeps the tensors; other ranks get ``{}`` (they still
+            take part in the gathers).
+        to_cpu: copy tensors to CPU (else clones on the model's device).
+    Returns:
+        ``name -> tensor`` copies, in ``model.state_dict()`` order.
+    """
+    state = state_of(model)
+    scheduler = None if state is None else state.scheduler
+    rank = scheduler.group.world.rank if scheduler is not None else _rank()
+    keep = not rank0_only or rank == 0
+    items = {}
+    for name, tensor in iter_full_state_dict(model, to_cpu=to_cpu):
+        if keep:  # other ranks only take part in the gathers
+            items[name] = tensor
+    if not keep:
+        return {}
+    return {name: items[name] for name in state_dict_names(model)}
+
+
+def _rank() -> int:
+    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
 
 
 def _copy(t: torch.Tensor, to_cpu: bool) -> torch.Tensor:

@@ -52,9 +52,9 @@ import zerolite.checkpoint
 from zerolite.accelerate import ZeroAccelerator, check_launch
 from zerolite.checkpoint.pending_save import finish_in_flight_everywhere
 from zerolite.config import ZeroConfig
-from zerolite.full_state_dict import full_state_dict
-from zerolite.optim.contract import check_optimizer
+from zerolite.gathered import full_state_dict
 from zerolite.optim.sharded_optimizer import ShardedOptimizer
+from zerolite.plan.optimizers import check_optimizer
 
 __all__ = ["ZERO_CHECKPOINT_DIR", "ZeroTrainer", "ZeroTrainerMixin", "zero_config_for_args"]
 

@@ -1,6 +1,6 @@
 """Run a function on every rank of a real ``torch.distributed`` process group, for tests.
 
-Design: :func:`run_ranks` starts one process per rank with the ``forkserver`` start method. The
+Design: `run_ranks` starts one process per rank with the ``forkserver`` start method. The
 forkserver starts once per interpreter with ``torch``, ``torch.distributed`` and
 ``torch.distributed.tensor`` preloaded, so a launch costs a ``fork()`` of that warm,
 single-threaded process plus importing ``fn``'s module (~0.1-0.3 s), not an interpreter start
@@ -10,9 +10,9 @@ stay the forkserver's). Ranks rendezvous through a fresh ``FileStore`` in a priv
 directory (no TCP port to pick) with gloo pinned to loopback.
 
 Each rank sends exactly one message through its own pipe: the return value serialised with plain
-:func:`pickle.dumps` (tensors travel as bytes, not via ``multiprocessing``'s shared-memory
+``pickle.dumps`` (tensors travel as bytes, not via ``multiprocessing``'s shared-memory
 reducers) or its formatted traceback. The parent waits on pipes and process sentinels together
-(:func:`multiprocessing.connection.wait`), so it reacts at once to a rank that raises, one that
+(``multiprocessing.connection.wait``), so it reacts at once to a rank that raises, one that
 dies without reporting (SIGKILL, segfault, ``os._exit``) and the deadline. After a rank raises,
 the others get a short grace period to report their own errors (a peer blocked in a collective
 usually fails once the failed rank's sockets close); then whatever is alive is SIGKILLed and
@@ -45,7 +45,7 @@ _GRACE_S = 5.0  # how long surviving ranks may keep running after another rank r
 
 
 class RankFailure(RuntimeError):
-    """One or more ranks launched by :func:`run_ranks` failed.
+    """One or more ranks launched by `run_ranks` failed.
 
     Attributes:
         failures: Maps each rank that did not return normally to a description: its formatted
@@ -61,7 +61,7 @@ class RankFailure(RuntimeError):
 
 
 class RankTimeout(RankFailure):
-    """Not every rank finished within the ``timeout`` given to :func:`run_ranks`."""
+    """Not every rank finished within the ``timeout`` given to `run_ranks`."""
 
 
 class _CallerStdio:
@@ -201,7 +201,7 @@ def run_ranks(fn: Callable[..., _T], world_size: int, *args: Any, timeout: float
 
     Returns:
         The values returned by ``fn``, ordered by rank. They are sent back with plain
-        :func:`pickle`, so they may contain CPU tensors.
+        ``pickle``, so they may contain CPU tensors.
 
     Raises:
         ValueError: ``world_size`` is not an int >= 1; a CUDA backend with fewer GPUs

@@ -1,19 +1,27 @@
-"""`shard()`: validate, agree across ranks, then wire the pieces a stage needs.
+"""`shard()`: validate, agree across ranks, then build what the stage needs, step by step.
 
-Nothing is modified until every rank has validated its inputs and all ranks agree on
-the plan (`zerolite.consensus`). Then:
+Nothing is modified until every rank has validated its inputs and all ranks agree on the
+plan (`zerolite.comm.consensus`): where the flat buffers live and over which group
+(`_world`), which parameters go into which flat buffer (`zerolite.plan`, `_agree_on_plan`)
+and what the offload tier holds (`_agree_on_offload`). Then `_build` runs one named step
+per concern, in the order data will travel:
 
-- managed parameters (those the optimizer holds and that require grad) are packed into
-  flat buffers of about ``bucket_size_mb`` (`zerolite.plan`), in reverse registration
-  order (roughly the order backward produces gradients); rank 0's values are broadcast, as DDP does
-  (a model built on the meta device is materialised and initialised instead, unit by
-  unit, see `zerolite.meta_init`);
-- the optimizer's param groups are re-pointed at fp32 master pieces and any existing
-  state is re-sharded;
-- what the stage shards (`zerolite.stages.STAGES`) picks the pieces: kept full
-  gradients wire `KeepFullGrads`, sharded ones `ShardGradsInBackward`; both share
-  buckets, the reducer and the optimizer. Sharded parameters add one buffer per unit
-  and the `UnitScheduler` that gathers them.
+1. `_choose_exchanges`: each flat buffer's exchange (`zerolite.comm.exchange`);
+2. `_place_parameters`: the flat buffers, bound to the parameters, holding rank 0's
+   values (as DDP does), or a meta-device model materialised unit by unit
+   (`zerolite.params.meta_init`); stage 3 keeps only this rank's shards;
+3. `_make_masters`: the fp32 master of each shard (`zerolite.state.master`);
+4. `_adopt_optimizer`: the user's param groups re-pointed at the master pieces, any
+   existing state re-sharded, the offload tier filled;
+5. `_wire_gradients`: one gradient bucket per flat buffer, the reducer and the hooks
+   (full gradients kept in stage 1, sharded in backward from stage 2);
+6. `_schedule_units`: stage 3's gather-before-use scheduler;
+7. `_change_model`: what changes on the model itself: the hooks' forward watch, the
+   ``.to()`` guard, ``no_sync()``, the meta build's first-forward check;
+
+and the `ShardState` holding all of it, complete, wrapped by the `ShardedOptimizer`.
+What the stage shards (`zerolite.plan.stages.STAGES`) picks the pieces; no step branches
+on the stage number.
 """
 
 from __future__ import annotations
@@ -28,33 +36,32 @@ import torch
 from torch import nn
 
 from zerolite import phase_events
-from zerolite.bucket import GradBucket
-from zerolite.collectives import Group, broadcast, broadcast_coalesced
+from zerolite.comm.collectives import Group, broadcast, broadcast_coalesced
+from zerolite.comm.consensus import agreed
+from zerolite.comm.devices import backends_of, buffer_device, check_buffer_device
+from zerolite.comm.exchange import Exchange, exchange_for
+from zerolite.comm.hybrid import data_parallel_group, shard_group_size, sharding_group
 from zerolite.compile_guard import exclude_from_compile, not_compiled
 from zerolite.config import ZeroConfig
-from zerolite.consensus import agreed
-from zerolite.devices import backends_of, buffer_device, check_buffer_device
-from zerolite.flat_buffer import FlatParamBuffer
-from zerolite.grad_reducer import GradReducer
-from zerolite.hooks import KeepFullGrads, ShardGradsInBackward
-from zerolite.hybrid import data_parallel_group, shard_group_size, sharding_group
-from zerolite.meta_init import (
-    check_before_first_forward,
-    materialize,
-)
-from zerolite.model_changes import guard_conversions, install_no_sync
-from zerolite.optim.master import MasterShard
-from zerolite.optim.multi import MultiOptimizer
-from zerolite.optim.offload import OffloadLayout, build_tier, plan_offload
+from zerolite.grads.bucket import GradBucket
+from zerolite.grads.hooks import KeepFullGrads, ShardGradsInBackward
+from zerolite.grads.reducer import GradReducer, install_no_sync
+from zerolite.optim.multi import MultiOptimizer, class_name, inner_optimizers
 from zerolite.optim.repoint import repoint_optimizer
-from zerolite.optim.sharded_optimizer import ShardedOptimizer
-from zerolite.plan import ShardPlan, plan_layout
-from zerolite.quantize_setup import describe_quantization, install_quantization
-from zerolite.shard_state import ShardState, pieces_of, register
-from zerolite.stages import STAGES
-from zerolite.tensor_layout import assign_owners
-from zerolite.unit_scheduler import UnitScheduler
-from zerolite.units import Unit
+from zerolite.optim.sharded_optimizer import ShardedOptimizer, check_not_sharded
+from zerolite.params.flat_buffer import FlatParamBuffer
+from zerolite.params.guard import guard_conversions
+from zerolite.params.meta_init import MetaBuild, check_before_first_forward, materialize
+from zerolite.params.unit_scheduler import UnitScheduler
+from zerolite.plan.offload import OffloadLayout, plan_offload
+from zerolite.plan.owners import assign_owners
+from zerolite.plan.quantization import buffer_wires, describe_quantization, skipped_parameters
+from zerolite.plan.shard_plan import ShardPlan, plan_layout
+from zerolite.plan.stages import STAGES
+from zerolite.state.master import MasterShard
+from zerolite.state.offload import OffloadTier, build_tier, check_offload
+from zerolite.state.pieces import pieces_of
+from zerolite.state.shard_state import ShardState, register
 
 __all__ = ["shard"]
 
@@ -79,7 +86,7 @@ def shard(
 
     A model built under ``torch.device("meta")`` is materialised on ``config.device``
     one unit at a time and initialised by ``config.init_fn`` or its modules'
-    ``reset_parameters()`` (see `zerolite.meta_init`); tensors nothing initialised must
+    ``reset_parameters()`` (see `zerolite.params.meta_init`); tensors nothing initialised must
     be loaded (`zerolite.checkpoint.load_pretrained`) before the first forward.
 
     Args:
@@ -98,7 +105,7 @@ def shard(
         TypeError: unsupported optimizer class, or arguments of the wrong type.
         ValueError: stage 0, parameters not in the model, on mixed devices, or listed twice;
             a device the process group cannot carry (a CPU model with an NCCL group), or
-            ``collectives="point_to_point"`` over NCCL (`zerolite.devices`).
+            ``collectives="point_to_point"`` over NCCL (`zerolite.comm.devices`).
         RuntimeError: the model was already sharded; ranks disagree (`RankMismatchError`).
 
     Example::
@@ -108,45 +115,32 @@ def shard(
         loss = model(x).sum(); loss.backward(); opt.step(); opt.zero_grad()
     """
     config = ZeroConfig() if config is None else config
-    pg = data_parallel_group(config)
-    # Where the flat buffers live decides where the ranks' agreement travels, so it is
-    # decided first; a group that cannot carry it is refused on every rank alike.
-    device = buffer_device(_candidate_parameters(model, optimizer), config.device, pg)
-    check_buffer_device(device, backends_of(pg), config.collectives)
-    world = Group(
-        pg, collectives=config.collectives, timeout_s=config.timeout_s, device=device
-    )
-    plan: ShardPlan | None = None
-    k: int | None = None
-    # Raises on every rank if any rank failed or ranks describe different plans.
-    with agreed("zerolite.shard()", world) as lines:
-        if isinstance(optimizer, (list, tuple)):
-            optimizer = MultiOptimizer(optimizer)
-        k = shard_group_size(config, world.size)
-        lines.append(f"shard_group_size: {k or world.size} of {world.size} ranks")
-        plan = plan_layout(model, optimizer, config, device=device)
-        lines += plan.describe(config, optimizer, model)
-        lines += describe_quantization(config, model, plan.partition)
+    world = _world(model, optimizer, config)
+    optimizer, plan, k, lines = _agree_on_plan(model, optimizer, config, world)
     group = sharding_group(world, k, config)
-    offload = None
-    # The tier is laid out over this rank's shard group; a bad directory raises on every rank.
-    with agreed("zerolite.shard() (offload)", world):
-        offload = plan_offload(cast(ShardPlan, plan), optimizer, config, group)
+    offload = _agree_on_offload(plan, optimizer, config, group)
     digest = hashlib.sha256("\n".join(lines).encode()).hexdigest()
-    with phase_events.phase("build", device):
-        sharded = _build(
-            model, cast(torch.optim.Optimizer, optimizer), config, group, cast(ShardPlan, plan),
-            digest, offload,
-        )
+    with phase_events.phase("build", world.buffer_device):
+        sharded = _build(model, optimizer, config, group, plan, digest, offload)
     phase_events.built(sharded)
     return sharded
+
+
+def _world(model: object, optimizer: object, config: ZeroConfig) -> Group:
+    """Every data-parallel rank, with the device its flat buffers will live on. That device
+    decides where the ranks' agreement travels, so it is decided first; a group that cannot
+    carry it is refused on every rank alike."""
+    pg = data_parallel_group(config)
+    device = buffer_device(_candidate_parameters(model, optimizer), config.device, pg)
+    check_buffer_device(device, backends_of(pg), config.collectives)
+    return Group(pg, collectives=config.collectives, timeout_s=config.timeout_s, device=device)
 
 
 def _candidate_parameters(
     model: object, optimizer: object
 ) -> Iterator[torch.Tensor]:
     """The tensors whose device the flat buffers take, before anything is validated: the
-    optimizer's trainable ones first (as `zerolite.plan` takes them), then the model's.
+    optimizer's trainable ones first (as `zerolite.plan.shard_plan` takes them), then the model's.
     Never raises: odd input is refused later, inside the ranks' agreement."""
     optimizers = optimizer if isinstance(optimizer, (list, tuple)) else [optimizer]
     for opt in optimizers:
@@ -159,6 +153,44 @@ def _candidate_parameters(
         yield from model.parameters()
 
 
+def _agree_on_plan(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer],
+    config: ZeroConfig,
+    world: Group,
+) -> tuple[torch.optim.Optimizer, ShardPlan, int | None, list[str]]:
+    """Validate and plan on every rank, then agree: raises on every rank if any rank failed
+    or ranks describe different plans. Returns the optimizer (several as one
+    `MultiOptimizer`), the plan, the shard group size (None: every rank) and the lines
+    agreed on."""
+    plan: ShardPlan | None = None
+    k: int | None = None
+    with agreed("zerolite.shard()", world) as lines:
+        if isinstance(optimizer, (list, tuple)):
+            optimizer = MultiOptimizer(optimizer)
+        k = shard_group_size(config, world.size)
+        lines.append(f"shard_group_size: {k or world.size} of {world.size} ranks")
+        check_not_sharded(model, optimizer)
+        plan = plan_layout(model, inner_optimizers(optimizer), config, device=world.buffer_device)
+        lines += plan.describe(config, model, class_name(optimizer), optimizer.param_groups)
+        lines += describe_quantization(config, model, plan.partition)
+    # (Reached only when every rank planned: `agreed` raised otherwise.)
+    return cast(torch.optim.Optimizer, optimizer), cast(ShardPlan, plan), k, lines
+
+
+def _agree_on_offload(
+    plan: ShardPlan, optimizer: torch.optim.Optimizer, config: ZeroConfig, group: Group
+) -> OffloadLayout | None:
+    """This rank's offload layout over its shard group; a tier that cannot hold it (a bad
+    directory, too little space) raises on every rank."""
+    offload = None
+    with agreed("zerolite.shard() (offload)", group.world):
+        offload = plan_offload(plan, optimizer, config, rank=group.rank, world_size=group.size)
+        if offload is not None:
+            check_offload(offload, config, plan.device)
+    return offload
+
+
 def _build(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -166,165 +198,216 @@ def _build(
     group: Group,
     plan: ShardPlan,
     layout_digest: str,
-    offload: OffloadLayout | None = None,
+    offload: OffloadLayout | None,
 ) -> ShardedOptimizer:
-    policy = STAGES[config.stage]
-    # Whole-tensor ownership: each buffer's parameters reordered by owner (before any buffer
-    # exists: the order is the layout).
-    owners = assign_owners(plan, group.size) if plan.partition == "tensor" else None
-    all_flat_params = plan.all_flat_params
-    unit_buffers = plan.unit_buffers()
+    """Every rank agreed: build, one step per concern (the module docstring)."""
+    if plan.partition == "tensor":  # each buffer's parameters ordered by owner: the layout
+        plan = assign_owners(plan, group.size)
+    exchanges = _choose_exchanges(model, plan, config, group)
+    all_flats, meta_build = _place_parameters(model, plan, exchanges, config, group)
+    flats, frozen_flats = all_flats[: len(plan.flat_params)], all_flats[len(plan.flat_params) :]
+    masters = _make_masters(flats, config, group, offload)
+    tier = _adopt_optimizer(optimizer, masters, plan, offload, config, group)
+    reducer, grads = _wire_gradients(flats, config, group)
+    scheduler = None
+    if plan.units is not None and isinstance(grads, ShardGradsInBackward):
+        scheduler = _schedule_units(plan, all_flats, flats, group, config, grads)
+    _change_model(model, grads, reducer, scheduler, all_flats, meta_build)
+    state = ShardState(
+        model, group=group, config=config, inner=optimizer, flats=flats, masters=masters,
+        frozen_flats=frozen_flats, reducer=reducer, grads=grads, scheduler=scheduler,
+        layout_digest=layout_digest, meta_build=meta_build, offload=tier,
+    )
+    sharded = ShardedOptimizer(optimizer, state)
+    register(model, state, sharded)
+    if group.world.rank == 0:
+        logger.info(
+            "zerolite: stage %d (partition %s) sharded %d parameters (%d elements) into %d flat "
+            "buffers across %d ranks", config.stage, plan.partition,
+            sum(len(f.params) for f in flats), sum(f.numel for f in flats), len(flats),
+            group.size,
+        )
+    return sharded
+
+
+def _choose_exchanges(
+    model: nn.Module, plan: ShardPlan, config: ZeroConfig, group: Group
+) -> list[Exchange]:
+    """Each flat buffer's exchange ([Note: exchanges] in `zerolite.comm.exchange`): owned
+    chunks, int8 wires (`zerolite.plan.quantization`), a replica step when hybrid."""
+    skipped = skipped_parameters(model, config)
+    replicas = 1 if group.replicas is None else group.replicas.size
+    exchanges = []
+    for index, params in enumerate(plan.all_flat_params):
+        layout = plan.layout(index, group.size)
+        wires = buffer_wires(
+            [p for _, p in params], layout, config, trained=index < len(plan.flat_params),
+            skipped=skipped, shard_rank=group.rank, replicas=replicas,
+        )
+        exchanges.append(exchange_for(
+            group, index, device=plan.device, owner_sizes=layout.chunk_sizes,
+            gather_wire=wires.gather, reduce_wire=wires.reduce, replica_wire=wires.replica,
+            error_feedback=wires.error_feedback,
+        ))
+    return exchanges
+
+
+@torch.no_grad()
+def _bound_flat(
+    plan: ShardPlan, index: int, exchange: Exchange, config: ZeroConfig
+) -> FlatParamBuffer:
+    """Flat buffer ``index`` of ``plan``, bound to its parameters (their values copied in)."""
+    params = plan.all_flat_params[index]
+    flat = FlatParamBuffer(
+        [p for _, p in params],
+        [n for n, _ in params],
+        plan.layout(index, exchange.group.size),
+        rank=exchange.group.rank,
+        dtype=config.param_dtype,
+        device=plan.device,
+        index=index,
+        exchange=exchange,
+    )
+    flat.bind()
+    return flat
+
+
+def _place_parameters(
+    model: nn.Module,
+    plan: ShardPlan,
+    exchanges: list[Exchange],
+    config: ZeroConfig,
+    group: Group,
+) -> tuple[list[FlatParamBuffer], MetaBuild | None]:
+    """Every flat buffer, bound to its parameters, in `ShardPlan.all_flat_params` order, and
+    a meta build's `MetaBuild` (None otherwise). Stage 3 keeps only this rank's shards."""
+    shards = STAGES[config.stage].shards_parameters
 
     def make_flat(index: int) -> FlatParamBuffer:
-        owned = owners[index] if owners is not None and index < len(owners) else None
-        return _bound_flat(all_flat_params[index], index, group, config, plan.device, owned)
+        return _bound_flat(plan, index, exchanges[index], config)
 
-    meta_build = None
     if plan.on_meta:
         # Every rank computes the same values from rank 0's generator: nothing to broadcast.
         # A unit is complete once its module is initialised (the root: at the end).
-        closed_by = {id(u.module): b for u, b in zip((plan.units or [])[:-1], unit_buffers)}
-        all_flats, meta_build = materialize(
-            model, all_flat_params, closed_by, make_flat,
-            param_dtype=config.param_dtype, device=plan.device, shard=policy.shards_parameters,
+        units = (plan.units or [])[:-1]
+        closed_by = {id(u.module): b for u, b in zip(units, plan.unit_buffers())}
+        return materialize(
+            model, plan.all_flat_params, closed_by, make_flat,
+            param_dtype=config.param_dtype, device=plan.device, shard=shards,
             init_fn=config.init_fn, group=group.world,
         )
-    else:
-        # Every rank starts from rank 0's values, as with DDP.
-        all_flats = [make_flat(index) for index in range(len(all_flat_params))]
-        for flat in all_flats:
-            broadcast(
-                flat.data,
-                0,
-                group.world,
-                what=f"shard()'s broadcast of rank 0's flat buffer {flat.index}",
-            )
-        if policy.shards_parameters:
-            for flat in all_flats:
-                flat.shard_only()
-    if not plan.on_meta:  # (a meta build computes the same values on every rank)
-        # As DDP: every rank starts from rank 0's unsharded parameters and buffers.
-        in_flats = {id(p) for flat in all_flats for p in flat.params}
-        unsharded = [p for p in model.parameters() if id(p) not in in_flats]
-        broadcast_coalesced(
-            [*unsharded, *model.buffers()], 0, group.world,
-            what="shard()'s broadcast of rank 0's unsharded parameters and buffers",
+    # As DDP: every rank starts from rank 0's parameters and buffers.
+    all_flats = [make_flat(index) for index in range(len(plan.all_flat_params))]
+    for flat in all_flats:
+        broadcast(
+            flat.data, 0, group.world,
+            what=f"shard()'s broadcast of rank 0's flat buffer {flat.index}",
         )
-    flats, frozen_flats = all_flats[: len(plan.flat_params)], all_flats[len(plan.flat_params) :]
-    # A quantized all-gather overwrites a replicated buffer's own shard: masters are copies.
+    if shards:
+        for flat in all_flats:
+            flat.shard_only()
+    in_flats = {id(p) for flat in all_flats for p in flat.params}
+    unsharded = [p for p in model.parameters() if id(p) not in in_flats]
+    broadcast_coalesced(
+        [*unsharded, *model.buffers()], 0, group.world,
+        what="shard()'s broadcast of rank 0's unsharded parameters and buffers",
+    )
+    return all_flats, None
+
+
+def _make_masters(
+    flats: list[FlatParamBuffer], config: ZeroConfig, group: Group, offload: OffloadLayout | None
+) -> list[MasterShard]:
+    """The fp32 master of each trained buffer's shard; the first pieces of each are left to
+    the offload tier. A quantized all-gather overwrites a replicated buffer's own shard, so
+    there the masters are copies even in fp32."""
     copy = config.quantize_gather and group.size > 1
-    masters = [
+    return [
         MasterShard(
             flat, 0 if offload is None else offload.per_buffer[i], copy=copy and flat.replicated
         )
         for i, flat in enumerate(flats)
     ]
+
+
+def _adopt_optimizer(
+    optimizer: torch.optim.Optimizer,
+    masters: list[MasterShard],
+    plan: ShardPlan,
+    offload: OffloadLayout | None,
+    config: ZeroConfig,
+    group: Group,
+) -> OffloadTier | None:
+    """The user's optimizer steps the master pieces from now on (its param groups keep their
+    identity; existing state is sliced to the pieces); the offload tier takes what is
+    offloaded. Returns the tier (None without offload)."""
     if isinstance(optimizer, MultiOptimizer):
         optimizer.bind()
     repoint_optimizer(
         optimizer, pieces_of(masters, optimizer.state), plan.group_of,
         [p for _, p in plan.frozen],
     )
-    tier = None if offload is None else build_tier(offload, masters, optimizer, config, group)
+    if offload is None:
+        return None
+    return build_tier(offload, masters, optimizer, config, group.rank)
+
+
+def _wire_gradients(
+    flats: list[FlatParamBuffer], config: ZeroConfig, group: Group
+) -> tuple[GradReducer, KeepFullGrads | ShardGradsInBackward]:
+    """One gradient bucket per trained flat buffer, the reducer over them, and the hooks:
+    full gradients kept until the step (stage 1) or sharded in backward (stages 2-3)."""
+    policy = STAGES[config.stage]
     for flat in flats:
         for p in flat.params:
             p.grad = None
     buckets = [
         GradBucket(
             flat,
-            group,
             full_dtype=policy.grad_dtype(config.param_dtype, config.grad_dtype),
             shard_dtype=config.grad_dtype,
             keep_full=not policy.shards_gradients,
         )
         for flat in flats
     ]
-    install_quantization(model, config, group, all_flats, buckets)
     reducer = GradReducer(buckets, group)
-    grads = ShardGradsInBackward(reducer) if policy.shards_gradients else KeepFullGrads(reducer)
-    scheduler = None
-    if plan.units is not None and isinstance(grads, ShardGradsInBackward):
-        unit_flats = [[all_flats[i] for i in buffers] for buffers in unit_buffers]
-        scheduler = _schedule_units(plan.units, unit_flats, flats, group, config, grads)
+    if policy.shards_gradients:
+        return reducer, ShardGradsInBackward(reducer)
+    return reducer, KeepFullGrads(reducer)
+
+
+def _change_model(
+    model: nn.Module,
+    grads: KeepFullGrads | ShardGradsInBackward,
+    reducer: GradReducer,
+    scheduler: UnitScheduler | None,
+    all_flats: list[FlatParamBuffer],
+    meta_build: MetaBuild | None,
+) -> None:
+    """What `shard()` changes on the model itself, in place: its forward watched by the
+    gradient hooks, all of zerolite's hooks kept out of ``torch.compile`` graphs, the
+    ``.to()`` guard, ``no_sync()`` and (a meta build) the first forward's check."""
     grads.watch_root(model)
-    # torch.compile: zerolite's hooks are graph breaks, never traced (see compile_guard).
     exclude_from_compile([*grads._handles, *(scheduler._handles if scheduler is not None else [])])
     guard_conversions(
         model,
-        {
-            id(p): (flat.data.dtype, flat.data.device)
-            for flat in [*flats, *frozen_flats]
-            for p in flat.params
-        },
+        {id(p): (flat.data.dtype, flat.data.device) for flat in all_flats for p in flat.params},
     )
     install_no_sync(model, reducer)
     check_before_first_forward(model, meta_build)
-    state = ShardState(
-        model,
-        group=group,
-        config=config,
-        inner=optimizer,
-        flats=flats,
-        masters=masters,
-        frozen_flats=frozen_flats,
-        reducer=reducer,
-        grads=grads,
-        scheduler=scheduler,
-        layout_digest=layout_digest,
-        meta_build=meta_build,
-    )
-    state.offload = tier
-    sharded = ShardedOptimizer(optimizer, state)
-    state.optimizer = sharded
-    register(model, state)
-    numel = sum(flat.numel for flat in flats)
-    if group.world.rank == 0:
-        logger.info(
-            "zerolite: stage %d (partition %s) sharded %d parameters (%d elements) into %d flat "
-            "buffers across %d ranks",
-            config.stage,
-            plan.partition,
-            sum(len(f.params) for f in flats),
-            numel,
-            len(flats),
-            group.size,
-        )
-    return sharded
-
-
-@torch.no_grad()
-def _bound_flat(
-    bucket: list[tuple[str, nn.Parameter]],
-    index: int,
-    group: Group,
-    config: ZeroConfig,
-    device: torch.device,
-    owners: tuple[int, ...] | None = None,
-) -> FlatParamBuffer:
-    """A flat buffer holding ``bucket``'s parameters, bound to them (their values copied in)."""
-    flat = FlatParamBuffer(
-        [p for _, p in bucket],
-        [n for n, _ in bucket],
-        rank=group.rank,
-        world_size=group.size,
-        dtype=config.param_dtype,
-        device=device,
-        index=index,
-        owners=owners,
-    )
-    flat.bind()
-    return flat
 
 
 def _schedule_units(
-    units: list[Unit],
-    unit_flats: list[list[FlatParamBuffer]],
+    plan: ShardPlan,
+    all_flats: list[FlatParamBuffer],
     flats: list[FlatParamBuffer],
     group: Group,
     config: ZeroConfig,
     grads: ShardGradsInBackward,
 ) -> UnitScheduler:
     """Stage 3: unshard/reshard hooks, freed units when their gradients are in."""
+    units = plan.units or []
+    unit_flats = [[all_flats[i] for i in buffers] for buffers in plan.unit_buffers()]
     scheduler = UnitScheduler(
         [u.module for u in units],
         unit_flats,
@@ -337,7 +420,7 @@ def _schedule_units(
     }
     # Weakly: the model's hooks keep the scheduler alive, and a strong reference from the
     # hooks (held by the model's registered ShardState) would keep the model alive forever
-    # (see zerolite.shard_state).
+    # (see zerolite.state.shard_state).
     owner = weakref.ref(scheduler)
 
     def on_bucket_complete(b: int) -> None:

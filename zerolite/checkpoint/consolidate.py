@@ -11,7 +11,7 @@ shared storage and overlapping data offsets, so the data is written twice, costi
 extra tensor on disk (e.g. GPT-2's 154 MB fp32 embedding) but no extra memory (it is read
 again). The header's ``__metadata__["aliases"]`` records ``{alias: first name}`` so a
 reader can re-tie or drop the copy. Each read reopens the source file, since an open
-``safe_open`` handle keeps its pages mapped (DESIGN §5).
+``safe_open`` handle keeps its pages mapped (docs/design.md, "A checkpoint on disk").
 """
 
 from __future__ import annotations

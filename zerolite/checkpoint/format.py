@@ -1,4 +1,4 @@
-"""The on-disk format of a zerolite checkpoint (DESIGN §5).
+"""The on-disk format of a zerolite checkpoint (docs/design.md, "A checkpoint on disk").
 
 A checkpoint is a directory::
 

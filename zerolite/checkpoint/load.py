@@ -16,6 +16,7 @@ them is in memory at a time (a load of a larger-than-RAM tier must not hold it a
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 from collections.abc import Iterator, Sequence
@@ -41,12 +42,11 @@ from zerolite.checkpoint.range_reader import PieceReader, RangeReader
 from zerolite.checkpoint.residuals import apply_residuals, read_residuals
 from zerolite.checkpoint.save import model_only_tensors
 from zerolite.checkpoint.schedulers import apply_schedulers, plan_schedulers, restore_schedulers
-from zerolite.consensus import agreed
-from zerolite.meta_init import mark_loaded
+from zerolite.comm.consensus import agreed
+from zerolite.comm.small_exchange import all_gather_bytes
 from zerolite.optim.multi import class_name
 from zerolite.optim.sharded_optimizer import ShardedOptimizer, require_sharded_optimizer
-from zerolite.shard_state import Piece
-from zerolite.small_exchange import all_gather_bytes
+from zerolite.state.pieces import Piece
 
 __all__ = ["load"]
 
@@ -166,7 +166,7 @@ def load(
     """Restore ``model``, ``optimizer`` and ``schedulers`` from checkpoint ``path``.
 
     Every rank must call. Works at any world size, stage and bucket size relative to
-    the save, hybrid sharding included (`zerolite.hybrid`). RNG states (CPU, and CUDA where
+    the save, hybrid sharding included (`zerolite.comm.hybrid`). RNG states (CPU, and CUDA where
     the save had it and CUDA is available) are restored per rank when the world size is
     unchanged and the save was not hybrid (a hybrid save holds the first replica group's
     states only); otherwise every rank reseeds CPU and CUDA deterministically from the
@@ -193,7 +193,7 @@ def load(
     optimizer = require_sharded_optimizer(optimizer, "zerolite.checkpoint.load()")
     with phase_events.phase("load", optimizer.group.buffer_device):
         extra = _load(Path(path), model, optimizer, schedulers)
-    mark_loaded(model, None)
+    optimizer.shard_state.mark_loaded(None)
     return extra
 
 
@@ -215,35 +215,34 @@ def _read_checked_index(path: Path, rank: int, world_size: int) -> dict[str, Any
     return index
 
 
+@dataclasses.dataclass
+class _Read:
+    """What a load has read and checked on this rank before it changes anything."""
+
+    extra: Any = None
+    hyper: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    # Resident pieces with their values and state; offloaded pieces, read again to write.
+    pieces: list[tuple[Piece, torch.Tensor, dict]] = dataclasses.field(default_factory=list)
+    offloaded: list[Piece] = dataclasses.field(default_factory=list)
+    piece_reader: PieceReader | None = None
+    model_tensors: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
+    frozen: list[tuple[torch.Tensor, torch.Tensor]] = dataclasses.field(default_factory=list)
+    same_world: bool = False  # a flat save at this world size: per-rank generator states
+    rng: torch.Tensor | None = None
+    cuda_rng: torch.Tensor | None = None  # restored only at the same world size
+    residuals: list[tuple[torch.Tensor, torch.Tensor]] = dataclasses.field(default_factory=list)
+    # (scheduler, its state before) of the schedulers loaded: the one thing changed early.
+    schedulers: list[tuple[Any, Any]] = dataclasses.field(default_factory=list)
+
+
 def _load(
     path: Path, model: nn.Module, optimizer: ShardedOptimizer, schedulers: Sequence[Any]
 ) -> Any:
-    shards = optimizer.group
-    group = shards.world  # every rank agrees; hybrid replicas read the same ranges
-    # A peer's failure is raised as CheckpointError here too (the documented type).
-    with agreed("zerolite.checkpoint.load() (verifying files)", group, peer_error=CheckpointError):
-        if optimizer.model is not model and not _holds_parameters_of(model, optimizer):
-            raise ValueError(
-                "zerolite.checkpoint.load(): model is not the model this optimizer was sharded "
-                "with; pass the model given to zerolite.shard() together with its optimizer"
-            )
-        index = _read_checked_index(path, group.rank, group.size)
-    # Each rank knows the group of only its own pieces: gather the optimizer's grouping.
-    current_groups: dict[str, int] = {}
-    for payload in all_gather_bytes(json.dumps(piece_groups(optimizer)).encode(), group,
-                                    what="checkpoint.load() (param groups)"):
-        current_groups.update(json.loads(payload))
-    pieces: list = []
-    offloaded: list[Piece] = []
-    piece_reader: PieceReader | None = None
-    model_tensors: dict[str, torch.Tensor] = {}
-    frozen_pieces: list[tuple[torch.Tensor, torch.Tensor]] = []  # (shard view, values)
-    rng: torch.Tensor | None = None
-    cuda_rng: torch.Tensor | None = None  # restored only at the same world size
-    residuals: list[tuple[torch.Tensor, torch.Tensor]] = []  # (target, values)
-    extra: Any = None
-    hyper: list[dict[str, Any]] = []
-    loaded_schedulers: list[tuple[Any, Any]] = []
+    """Verify, read and check everything on every rank, agree, then write it all."""
+    group = optimizer.group.world  # every rank agrees; hybrid replicas read the same ranges
+    index = _verified_index(path, model, optimizer)
+    current_groups = _current_groups(optimizer)
+    read = _Read()
     try:
         with (
             agreed("zerolite.checkpoint.load() (reading)", group, peer_error=CheckpointError),
@@ -252,84 +251,127 @@ def _load(
             _check_model(index, optimizer)
             check_groups(saved_groups(index), current_groups, path)
             planned_schedulers = plan_schedulers(index, schedulers, path)
-            try:
-                extra = decode(index.get("extra"), "extra")
-                # Plain JSON decodes to itself; typed entries (a tuple, inf) to their values.
-                saved_hyper = index["optimizer"]["param_groups"]
-                hyper = [decode(g, f"param group {i}") for i, g in enumerate(saved_hyper)]
-            except ValueError as exc:
-                raise CheckpointError(f"{path}: {exc}") from None
-            pieces, offloaded, piece_reader = _read_rank_state(path, index, optimizer)
-            source = _ModelTensors(path, index)
-            for name, target in model_only_tensors(model, optimizer).items():
-                if not source.has(name):
-                    raise CheckpointError(
-                        f"{source.file}: no tensor for {name!r} (buffer or non-optimized parameter)"
-                    )
-                tensor = source.read(name)
-                if tensor.shape != target.shape:
-                    raise CheckpointError(
-                        f"{name!r}: checkpoint shape {list(tensor.shape)}, model "
-                        f"{list(target.shape)}"
-                    )
-                model_tensors[name] = tensor
-            # Stage 3: this rank's ranges of frozen parameters.
-            for frozen in optimizer.shard_state.frozen_pieces():
-                if not source.has(frozen.name):
-                    raise CheckpointError(
-                        f"{path}: no tensor for frozen parameter {frozen.name!r}"
-                    )
-                values = source.read(frozen.name, frozen.param_start, frozen.param_end)
-                frozen_pieces.append((frozen.shard, values))
-            # Each rank's own generator state exists only for a flat save at this world size.
-            same_world = (
-                index["world_size"] == group.size and index.get("replicas", 1) == 1
-            )
-            rng_file = path / index["files"][group.rank if same_world else 0]["file"]
-            with safe_open(rng_file, framework="pt") as f:
-                rng = f.get_tensor("rng/cpu")
-                if same_world and "rng/cuda" in f.keys():
-                    cuda_rng = f.get_tensor("rng/cuda")
-            # Residuals are exact only in the layout they were saved in (hybrid: the file of
-            # this rank's shard holds every replica's).
-            same_layout = (
-                index["world_size"] == shards.size
-                and index.get("replicas", 1) == group.size // shards.size
-            )
-            residuals = read_residuals(
-                path / index["files"][shards.rank]["file"] if same_layout else None, optimizer
-            )
+            _read_optimizer_side(path, index, optimizer, read)
+            _read_model_side(path, index, model, optimizer, read)
             # Last, and undone below if a peer failed: schedulers are the only state a load
             # attempt changes before the ranks agree (a custom one may fail in load_state_dict).
-            loaded_schedulers = apply_schedulers(planned_schedulers)
+            read.schedulers = apply_schedulers(planned_schedulers)
     except BaseException:
-        restore_schedulers(loaded_schedulers)
+        restore_schedulers(read.schedulers)
         raise
     # Nothing else has changed so far; from here on every read has succeeded on every rank.
-    for piece, values, state in pieces:
+    _write(read, model, optimizer, index)
+    return read.extra
+
+
+def _verified_index(path: Path, model: nn.Module, optimizer: ShardedOptimizer) -> dict[str, Any]:
+    """The index, its checksum and (spread over the ranks) every file's size and hash
+    checked; a peer's failure is raised as `CheckpointError` here too (the documented type)."""
+    group = optimizer.group.world
+    with agreed("zerolite.checkpoint.load() (verifying files)", group, peer_error=CheckpointError):
+        if optimizer.model is not model and not _holds_parameters_of(model, optimizer):
+            raise ValueError(
+                "zerolite.checkpoint.load(): model is not the model this optimizer was sharded "
+                "with; pass the model given to zerolite.shard() together with its optimizer"
+            )
+        index = _read_checked_index(path, group.rank, group.size)
+    return index
+
+
+def _current_groups(optimizer: ShardedOptimizer) -> dict[str, int]:
+    """The optimizer's ``{parameter name: param group}`` over every rank: each rank knows the
+    group of only its own pieces."""
+    current: dict[str, int] = {}
+    payload = json.dumps(piece_groups(optimizer)).encode()
+    for entry in all_gather_bytes(
+        payload, optimizer.group.world, what="checkpoint.load() (param groups)"
+    ):
+        current.update(json.loads(entry))
+    return current
+
+
+def _read_optimizer_side(
+    path: Path, index: dict[str, Any], optimizer: ShardedOptimizer, read: _Read
+) -> None:
+    """``extra``, the hyperparameters, this rank's pieces and its residuals."""
+    try:
+        read.extra = decode(index.get("extra"), "extra")
+        # Plain JSON decodes to itself; typed entries (a tuple, inf) to their values.
+        saved_hyper = index["optimizer"]["param_groups"]
+        read.hyper = [decode(g, f"param group {i}") for i, g in enumerate(saved_hyper)]
+    except ValueError as exc:
+        raise CheckpointError(f"{path}: {exc}") from None
+    read.pieces, read.offloaded, read.piece_reader = _read_rank_state(path, index, optimizer)
+    # Residuals are exact only in the layout they were saved in (hybrid: the file of this
+    # rank's shard holds every replica's).
+    shards = optimizer.group
+    same_layout = (
+        index["world_size"] == shards.size
+        and index.get("replicas", 1) == shards.world.size // shards.size
+    )
+    read.residuals = read_residuals(
+        path / index["files"][shards.rank]["file"] if same_layout else None, optimizer
+    )
+
+
+def _read_model_side(
+    path: Path, index: dict[str, Any], model: nn.Module, optimizer: ShardedOptimizer, read: _Read
+) -> None:
+    """Buffers and unsharded parameters, stage 3's frozen ranges, the generator states."""
+    source = _ModelTensors(path, index)
+    for name, target in model_only_tensors(model, optimizer.shard_state).items():
+        if not source.has(name):
+            raise CheckpointError(
+                f"{source.file}: no tensor for {name!r} (buffer or non-optimized parameter)"
+            )
+        tensor = source.read(name)
+        if tensor.shape != target.shape:
+            raise CheckpointError(
+                f"{name!r}: checkpoint shape {list(tensor.shape)}, model {list(target.shape)}"
+            )
+        read.model_tensors[name] = tensor
+    for frozen in optimizer.shard_state.frozen_pieces():
+        if not source.has(frozen.name):
+            raise CheckpointError(f"{path}: no tensor for frozen parameter {frozen.name!r}")
+        values = source.read(frozen.name, frozen.param_start, frozen.param_end)
+        read.frozen.append((frozen.shard, values))
+    # Each rank's own generator state exists only for a flat save at this world size.
+    group = optimizer.group.world
+    read.same_world = index["world_size"] == group.size and index.get("replicas", 1) == 1
+    rng_file = path / index["files"][group.rank if read.same_world else 0]["file"]
+    with safe_open(rng_file, framework="pt") as f:
+        read.rng = f.get_tensor("rng/cpu")
+        if read.same_world and "rng/cuda" in f.keys():
+            read.cuda_rng = f.get_tensor("rng/cuda")
+
+
+def _write(read: _Read, model: nn.Module, optimizer: ShardedOptimizer, index: dict) -> None:
+    """Every rank read everything: write it into the state, the model and the generators."""
+    for piece, values, state in read.pieces:
         piece.write(values, state)
-    _write_offloaded(offloaded, piece_reader)
-    for group_dict, saved in zip(optimizer.param_groups, hyper):
+    if read.piece_reader is not None:
+        _write_offloaded(read.offloaded, read.piece_reader)
+    for group_dict, saved in zip(optimizer.param_groups, read.hyper):
         for key, value in saved.items():
             current = group_dict.get(key)
             # Plain-JSON indexes hold tuples (betas) as lists.
             legacy_tuple = isinstance(current, tuple) and isinstance(value, list)
             group_dict[key] = tuple(value) if legacy_tuple else value
-    targets = model_only_tensors(model, optimizer)
-    for name, tensor in model_tensors.items():
+    targets = model_only_tensors(model, optimizer.shard_state)
+    for name, tensor in read.model_tensors.items():
         targets[name].copy_(tensor)
-    for shard, values in frozen_pieces:
+    for shard, values in read.frozen:
         shard.copy_(values)
-    apply_residuals(residuals)
+    apply_residuals(read.residuals)
     optimizer.publish_masters()
-    if rng is not None:
-        if same_world:
-            torch.set_rng_state(rng)
+    if read.rng is not None:
+        if read.same_world:
+            torch.set_rng_state(read.rng)
             device = optimizer.group.buffer_device
-            if cuda_rng is not None and device.type == "cuda":
-                torch.cuda.set_rng_state(cuda_rng, device)  # the model's device's, as saved
+            if read.cuda_rng is not None and device.type == "cuda":
+                torch.cuda.set_rng_state(read.cuda_rng, device)  # the model's device's, as saved
         else:  # seeds CPU and every CUDA device
-            torch.manual_seed(int.from_bytes(bytes(rng[:8].tolist()), "little") + group.rank)
+            seed = int.from_bytes(bytes(read.rng[:8].tolist()), "little")
+            torch.manual_seed(seed + optimizer.group.world.rank)
     if optimizer.loss_scaler is not None and index.get("loss_scaler") is not None:
         optimizer.loss_scaler.load_state_dict(index["loss_scaler"])
-    return extra

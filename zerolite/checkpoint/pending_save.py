@@ -21,8 +21,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from zerolite.checkpoint.format import CheckpointError
-from zerolite.collectives import Group
-from zerolite.consensus import agreed
+from zerolite.comm.collectives import Group
+from zerolite.comm.consensus import agreed
 
 __all__ = ["PendingSave", "finish_in_flight", "finish_in_flight_everywhere", "in_flight"]
 

@@ -22,9 +22,9 @@ from torch import nn
 from zerolite import phase_events
 from zerolite.checkpoint.format import CheckpointError
 from zerolite.checkpoint.save import model_only_tensors, state_dict_names
-from zerolite.consensus import agreed
-from zerolite.meta_init import mark_loaded
-from zerolite.shard_state import Piece, require_state
+from zerolite.comm.consensus import agreed
+from zerolite.state.pieces import Piece
+from zerolite.state.shard_state import ShardState, require_state
 
 __all__ = ["load_pretrained"]
 
@@ -157,30 +157,33 @@ def load_pretrained(
             or an ambiguous name: in two files, or in a file its index's ``weight_map``
             does not name for it (the map decides; a disagreeing file is an error).
     """
-    opt = require_state(model, "load_pretrained()", "; call shard() first").optimizer
-    with phase_events.phase("load", opt.group.buffer_device):
-        _load(model, opt, files, strict)
+    state = require_state(model, "load_pretrained()", "; call shard() first")
+    with phase_events.phase("load", state.group.buffer_device):
+        _load(model, state, files, strict)
 
 
 def _load(
-    model: nn.Module, opt, files: str | os.PathLike | Sequence[str | os.PathLike], strict: bool
-) -> None:  # noqa: ANN001
+    model: nn.Module,
+    state: ShardState,
+    files: str | os.PathLike | Sequence[str | os.PathLike],
+    strict: bool,
+) -> None:
     with agreed(
-        "zerolite.checkpoint.load_pretrained()", opt.group.world, peer_error=CheckpointError
+        "zerolite.checkpoint.load_pretrained()", state.group.world, peer_error=CheckpointError
     ):
         paths, mapped = _files(files)
-        plan, loaded = _plan(model, opt, _locate(paths, mapped), strict)
+        plan, loaded = _plan(model, state, _locate(paths, mapped), strict)
     for target, values in plan:
         if isinstance(target, Piece):  # its master lives on the offload tier
             target.write_master(values.reshape(-1))
         else:
             target.copy_(values.reshape(target.shape))
-    opt.publish_masters()
-    mark_loaded(model, loaded)
+    state.publish()
+    state.mark_loaded(loaded)
 
 
 def _plan(
-    model: nn.Module, opt, where: dict[str, tuple[Path, list[int]]], strict: bool  # noqa: ANN001
+    model: nn.Module, state: ShardState, where: dict[str, tuple[Path, list[int]]], strict: bool
 ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], list[str]]:
     """Read everything this rank needs: (destination, values) pairs and the names loaded.
     Changes nothing."""
@@ -203,7 +206,6 @@ def _plan(
     missing: list[str] = []
     loaded: list[str] = []
     used: set[str] = set()
-    state = opt.shard_state
     keys: dict[int, list[str | None]] = {}  # id(flat) -> each parameter's key in the files
     for flat in [*state.flats, *state.frozen_flats]:
         keys[id(flat)] = [source(name, p) for name, p in zip(flat.names, flat.params)]
@@ -221,7 +223,7 @@ def _plan(
             offloaded = isinstance(piece, Piece) and piece.master_offloaded
             plan.append((piece if offloaded else dest, values.to(dest.dtype).view(dest.shape)))
     in_state_dict = set(state_dict_names(model))
-    for name, tensor in model_only_tensors(model, opt).items():
+    for name, tensor in model_only_tensors(model, state).items():
         key = source(name, tensor)
         if key is None:
             if name in in_state_dict:  # a parameter or persistent buffer

@@ -15,7 +15,7 @@ import torch
 from safetensors import safe_open
 
 from zerolite.checkpoint.format import CheckpointError, master_key, state_key
-from zerolite.shard_state import Piece
+from zerolite.state.pieces import Piece
 
 __all__ = ["PieceReader", "RangeReader", "state_keys"]
 
@@ -53,7 +53,7 @@ class RangeReader:
                 continue
             if lo != covered:
                 break
-            # One handle per read: an open handle maps the file (DESIGN §5 on RSS).
+            # One handle per read: an open handle maps the file (docs/design.md on RSS).
             with safe_open(self.path / file, framework="pt") as f:
                 key = key_of(name, s, e)
                 if key not in f.keys():

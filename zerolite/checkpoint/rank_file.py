@@ -30,7 +30,8 @@ from zerolite.checkpoint.groups import piece_groups
 from zerolite.checkpoint.residuals import residual_tensors
 from zerolite.checkpoint.shard_writer import LazyTensor
 from zerolite.optim.sharded_optimizer import ShardedOptimizer
-from zerolite.shard_state import Piece
+from zerolite.state.pieces import Piece
+from zerolite.state.shard_state import ShardState
 
 __all__ = ["RankFile", "model_only_tensors", "rank_file", "state_dict_names"]
 
@@ -106,7 +107,7 @@ def rank_file(model: nn.Module, opt: ShardedOptimizer) -> RankFile:
     if device.type == "cuda":  # the generator of the model's own device, not the current one
         tensors["rng/cuda"] = torch.cuda.get_rng_state(device)
     if opt.group.rank == 0:
-        for name, tensor in model_only_tensors(model, opt).items():
+        for name, tensor in model_only_tensors(model, state).items():
             tensors[model_key(name)] = tensor.detach()
     return RankFile(
         file=shard_file(opt.group.rank, opt.group.size),
@@ -143,10 +144,10 @@ def _offloaded_tensors(piece: Piece) -> dict[str, torch.Tensor | LazyTensor]:
     return out
 
 
-def model_only_tensors(model: nn.Module, opt: ShardedOptimizer) -> dict[str, torch.Tensor]:
+def model_only_tensors(model: nn.Module, state: ShardState) -> dict[str, torch.Tensor]:
     """Buffers and the parameters zerolite does not shard (outside the optimizer; frozen
     ones in stages 1-2), by state-dict name: saved whole by rank 0."""
-    managed = {id(p) for flat in [*opt.flats, *opt.frozen_flats] for p in flat.params}
+    managed = {id(p) for flat in [*state.flats, *state.frozen_flats] for p in flat.params}
     out = {}
     for name, p in model.named_parameters():
         if id(p) not in managed:

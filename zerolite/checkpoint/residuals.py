@@ -1,15 +1,15 @@
 """Error-feedback residuals (``ZeroConfig.quantize_reduce``) in checkpoints.
 
 A rank's residual is what quantization lost of its own contributions to the other ranks'
-chunks (`zerolite.quantized_collectives`). Each rank's residuals are stored, keyed like
+chunks (`zerolite.comm.quantized`). Each rank's residuals are stored, keyed like
 everything else by parameter name and element range:
 ``residual/{name}/{start}-{end}`` (fp32). There are no residuals for this rank's own
 chunk (it never travels quantized).
 
 With hybrid sharding every rank has its own residuals, including replicas of the same
 shard, and two kinds: the shard group's (as above) and the cross-node step's
-(`zerolite.quantized_replicas`: what phase 1 lost of each piece sent to another replica,
-what phase 2 lost of this replica's reduced piece). Only the first replica group writes
+(`zerolite.comm.quantized_replicas`: what phase 1 lost of each part sent to another replica,
+what phase 2 lost of this replica's reduced part). Only the first replica group writes
 files, so at save the other replicas' residuals are gathered (over the replica group)
 onto the rank that writes their shard's file, which holds them all for the length of the
 save: ``residual@replica{q}/{name}/{start}-{end}``,
@@ -33,9 +33,11 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from zerolite.collectives import gather
-from zerolite.flat_buffer import FlatParamBuffer
+from zerolite.comm.collectives import gather
+from zerolite.comm.quantized import residual_chunks
+from zerolite.comm.quantized_replicas import replica_residual_rows
 from zerolite.optim.sharded_optimizer import ShardedOptimizer
+from zerolite.params.flat_buffer import FlatParamBuffer
 
 __all__ = ["residual_tensors", "gather_replica_residuals", "read_residuals", "apply_residuals"]
 
@@ -55,38 +57,39 @@ def _ranges(
 ) -> Iterator[tuple[str, int, int, int]]:
     """(name, param start, param end, offset from ``lo``) of each parameter's elements in
     ``[lo, hi)`` of chunk ``chunk`` of ``flat``."""
-    for piece in flat.layout.pieces(chunk):
-        start, end = max(lo, piece.shard_start), min(hi, piece.shard_start + piece.numel)
+    for span in flat.layout.spans(chunk):
+        start, end = max(lo, span.shard_start), min(hi, span.shard_start + span.numel)
         if start < end:
-            first = piece.param_start + start - piece.shard_start
-            yield flat.names[piece.index], first, first + end - start, start - lo
+            first = span.param_start + start - span.shard_start
+            yield flat.names[span.index], first, first + end - start, start - lo
 
 
-def _slots(opt: ShardedOptimizer, replica: int | None) -> Iterator[tuple[str, torch.Tensor]]:
-    """(key, 1-D fp32 view of a residual) for every piece this rank sends quantized with
-    error feedback; keys name replica ``replica`` (None: flat keys)."""
+def _views(opt: ShardedOptimizer, replica: int | None) -> Iterator[tuple[str, torch.Tensor]]:
+    """(key, 1-D fp32 view of a residual) for every range this rank sends quantized with
+    error feedback; keys name replica ``replica`` (None: flat keys). What each residual row
+    holds is its exchange's (`zerolite.comm.quantized.residual_chunks`,
+    `zerolite.comm.quantized_replicas.replica_residual_rows`)."""
     n, rank = opt.group.size, opt.group.rank
     within = PREFIX if replica is None else f"residual@replica{replica}/"
     across = f"residual-across@replica{replica}/"
-    for bucket in opt.buckets:
-        flat = bucket.flat
-        if bucket.residual is not None:
+    for flat in opt.flats:
+        exchange = flat.exchange
+        if exchange.residual is not None:
             shard = flat.layout.shard_numel
-            for k in range(1, n):
-                row = bucket.residual[k - 1]
-                for name, start, end, at in _ranges(flat, (rank + k) % n, 0, shard):
+            for row, chunk in zip(exchange.residual, residual_chunks(rank, n)):
+                for name, start, end, at in _ranges(flat, chunk, 0, shard):
                     yield f"{within}{name}/{start}-{end}", row[at : at + end - start]
-        if bucket.replica_residual is not None and replica is not None:
-            r, piece = bucket.replica_residual.shape
-            targets = [((replica + k) % r, "send") for k in range(1, r)] + [(replica, "gather")]
-            for row, (d, phase) in zip(bucket.replica_residual, targets):
-                for name, start, end, at in _ranges(flat, rank, d * piece, (d + 1) * piece):
+        if exchange.replica_residual is not None and replica is not None:
+            r, part = exchange.replica_residual.shape
+            rows = replica_residual_rows(replica, r)
+            for row, (d, phase) in zip(exchange.replica_residual, rows):
+                for name, start, end, at in _ranges(flat, rank, d * part, (d + 1) * part):
                     yield f"{across}{phase}/{name}/{start}-{end}", row[at : at + end - start]
 
 
 def residual_tensors(opt: ShardedOptimizer) -> dict[str, torch.Tensor]:
     """This rank's residuals by checkpoint key (views; the caller copies them to CPU)."""
-    return dict(_slots(opt, _replica(opt)))
+    return dict(_views(opt, _replica(opt)))
 
 
 def gather_replica_residuals(opt: ShardedOptimizer) -> dict[str, torch.Tensor]:
@@ -97,11 +100,11 @@ def gather_replica_residuals(opt: ShardedOptimizer) -> dict[str, torch.Tensor]:
     replicas = opt.group.replicas
     if q is None or replicas is None:
         return {}
-    mine = list(_slots(opt, q))
+    mine = list(_views(opt, q))
     if not mine:
         return {}
     # Slot keys and sizes follow from the layout, the shard and the replica index only:
-    # the writer lays out what replica q sent by its own _slots(opt, q).
+    # the writer lays out what replica q sent by its own _views(opt, q).
     sent = torch.cat([view.reshape(-1) for _, view in mine])
     received = gather(sent, 0, replicas, what="checkpoint.save() (gathering replicas' residuals)")
     if received is None:
@@ -109,7 +112,7 @@ def gather_replica_residuals(opt: ShardedOptimizer) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     for other in range(1, replicas.size):
         at = 0
-        for key, view in _slots(opt, other):
+        for key, view in _views(opt, other):
             out[key] = received[other][at : at + view.numel()]
             at += view.numel()
     return out
@@ -122,14 +125,14 @@ def read_residuals(
     saved file of this rank's shard when the checkpoint's layout is this one, else None);
     zeros when they cannot be restored exactly (see the module docstring), after a
     warning. Reads only."""
-    slots = list(_slots(opt, _replica(opt)))
-    if not slots:
+    views = list(_views(opt, _replica(opt)))
+    if not views:
         return []
     if file is not None:
         with safe_open(file, framework="pt") as f:
             keys = set(f.keys())
-            if all(key in keys for key, _ in slots):
-                pairs = [(target, f.get_tensor(key)) for key, target in slots]
+            if all(key in keys for key, _ in views):
+                pairs = [(target, f.get_tensor(key)) for key, target in views]
                 if all(values.shape == target.shape for target, values in pairs):
                     return pairs
     logger.warning(
@@ -137,7 +140,7 @@ def read_residuals(
         "layout; they restart from zero (at most one exchange's quantization error is dropped)",
         opt.group.prefix(),
     )
-    return [(target, torch.zeros_like(target)) for _, target in slots]
+    return [(target, torch.zeros_like(target)) for _, target in views]
 
 
 def apply_residuals(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:

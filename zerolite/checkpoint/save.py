@@ -1,4 +1,4 @@
-"""`save` and `latest`: write a sharded checkpoint atomically (DESIGN §5).
+"""`save` and `latest`: write a sharded checkpoint atomically.
 
 The sequence, and what a crash at each point leaves behind:
 
@@ -24,7 +24,7 @@ step 1 and runs steps 2-4 in a background thread, the ranks agreeing through mar
 files instead of collectives (`zerolite.checkpoint.async_save`).
 
 Every rank must call `save`; ranks learn of each other's failures at each phase, so a
-failed rank never leaves the others waiting. With hybrid sharding (`zerolite.hybrid`)
+failed rank never leaves the others waiting. With hybrid sharding (`zerolite.comm.hybrid`)
 the first replica group writes the files (one per shard rank: its replicas hold the same
 shards) and the other ranks only take part in the agreements; "rank 0" above is the
 first rank of the whole data-parallel group. Several machines need a shared filesystem
@@ -70,11 +70,11 @@ from zerolite.checkpoint.residuals import gather_replica_residuals
 from zerolite.checkpoint.schedulers import scheduler_entries
 from zerolite.checkpoint.shard_writer import layout, shard_chunks, write_shard
 from zerolite.checkpoint.staging import staging_area
-from zerolite.collectives import Group
-from zerolite.consensus import agreed
+from zerolite.comm.collectives import Group
+from zerolite.comm.consensus import agreed
+from zerolite.comm.small_exchange import all_gather_bytes
 from zerolite.optim.multi import class_name
 from zerolite.optim.sharded_optimizer import ShardedOptimizer
-from zerolite.small_exchange import all_gather_bytes
 
 # model_only_tensors and state_dict_names are imported from here by load, pretrained and
 # zerolite.full_state_dict.
@@ -198,19 +198,7 @@ def save(
     group = optimizer.group.world
     with agreed("zerolite.checkpoint.save()", group):
         finish_in_flight()
-        if not isinstance(blocking, bool):
-            raise TypeError(f"checkpoint.save(): blocking must be a bool, got {blocking!r}")
-        if not blocking and optimizer.group.replicas is not None:
-            raise ValueError(
-                "checkpoint.save(blocking=False) is not supported with hybrid sharding "
-                "(ZeroConfig.shard_group_size) yet; save with blocking=True"
-            )
-        problem = checkpoint_name_problem(path.name)
-        if problem is not None:
-            raise ValueError(
-                f"checkpoint path {str(path)!r}: {problem}; use a plain directory name"
-            )
-        _check_target(path, overwrite)
+        _check_arguments(path, optimizer, overwrite=overwrite, blocking=blocking)
         # No json.dumps(extra) check here: _index encodes ``extra`` losslessly (int keys,
         # tuples, Counter...) and its ValueError names the key that cannot be stored.
         index = _index(model, optimizer, schedulers, extra)
@@ -291,6 +279,23 @@ def _lock_root(path: Path, overwrite: bool, group: Group) -> tuple[SaveLock | No
             lock.release()
         raise
     return lock, shared["token"]
+
+
+def _check_arguments(
+    path: Path, optimizer: ShardedOptimizer, *, overwrite: bool, blocking: bool
+) -> None:
+    """`save`'s refusals before anything is written (see its Raises)."""
+    if not isinstance(blocking, bool):
+        raise TypeError(f"checkpoint.save(): blocking must be a bool, got {blocking!r}")
+    if not blocking and optimizer.group.replicas is not None:
+        raise ValueError(
+            "checkpoint.save(blocking=False) is not supported with hybrid sharding "
+            "(ZeroConfig.shard_group_size) yet; save with blocking=True"
+        )
+    problem = checkpoint_name_problem(path.name)
+    if problem is not None:
+        raise ValueError(f"checkpoint path {str(path)!r}: {problem}; use a plain directory name")
+    _check_target(path, overwrite)
 
 
 def _check_target(path: Path, overwrite: bool) -> None:

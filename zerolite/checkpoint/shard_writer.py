@@ -60,7 +60,7 @@ class LazyTensor:
     Attributes:
         dtype, shape: of the values.
         read_into: fills a contiguous 1-D CPU tensor of ``dtype`` and ``numel()`` elements
-            (e.g. `zerolite.optim.offload.OffloadTier.read_into` for one field of a slot).
+            (e.g. `zerolite.state.offload.OffloadTier.read_into` for one field of a slot).
     """
 
     dtype: torch.dtype

@@ -13,7 +13,7 @@ an asynchronous save costs one extra copy of the rank's file -- about its shard 
 and optimizer state (12 bytes per parameter with AdamW, divided by the world size) --
 held from the first asynchronous save until the optimizer is gone. A save whose layout
 differs (optimizer state that appeared after the first step) replaces it. On CUDA the
-buffer is pinned host memory of exactly its size (`zerolite.pinned`), so the copies run
+buffer is pinned host memory of exactly its size (`zerolite.state.pinned`), so the copies run
 asynchronously at full bus speed; `stage` returns once the copies from every device they
 came from have landed (each device's current stream, where they were queued).
 `staging_bytes` is what `zerolite.memory.track` reports.
@@ -27,7 +27,7 @@ from collections.abc import Mapping
 import torch
 
 from zerolite.checkpoint.shard_writer import LazyTensor, Slot, as_bytes, layout
-from zerolite.pinned import host_buffer
+from zerolite.state.pinned import host_buffer
 
 __all__ = ["StagingArea", "staging_area", "staging_bytes"]
 

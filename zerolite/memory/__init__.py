@@ -1,7 +1,7 @@
 """Memory accounting: measured footprint, the ZeRO formulas, a byte-exact estimator.
 
 - `footprint(opt)`: bytes this rank holds, by category, counted from real storages.
-- `formula(num_params, ...)`: DESIGN §3's table (the ZeRO paper's accounting).
+- `formula(num_params, ...)`: the ZeRO paper's accounting (docs/design.md, "Memory per rank").
 - `estimate(model_or_count, ...)`: what `shard()` will hold, byte-exact for a model.
 - `MemoryBreakdown`: the one dataclass all three return.
 - `track(opt)`: peak memory per phase (forward, backward, step).

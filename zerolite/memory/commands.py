@@ -19,8 +19,8 @@ from torch import nn
 from zerolite.config import ZeroConfig
 from zerolite.memory.estimate import estimate
 from zerolite.memory.footprint import MemoryBreakdown, offload_label
-from zerolite.optim.registry import NAMED
-from zerolite.stages import STAGES
+from zerolite.plan.optimizers import NAMED
+from zerolite.plan.stages import STAGES
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 

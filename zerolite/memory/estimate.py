@@ -15,7 +15,7 @@ same padding, the same per-parameter master pieces on the chosen rank -- and cou
   the step; stage 2 two buckets (one filling, one in flight) and one autograd gradient of
   the largest parameter; stage 3 adds ``prefetch + 1`` gathered units plus the root;
   16-bit gradients add the fp32 upcast of one shard.
-- offloaded (``config.offload``): the pieces `zerolite.optim.offload` would move to the
+- offloaded (``config.offload``): the pieces `zerolite.state.offload` would move to the
   tier -- their per-element state, and their masters when 16-bit -- taken out of
   ``master`` and ``optimizer_state``; transient adds the streamed step's three chunks
   in flight (each at most the tier's size).
@@ -32,23 +32,23 @@ import dataclasses
 import torch
 from torch import nn
 
+from zerolite.comm.hybrid import shard_group_size
 from zerolite.config import ZeroConfig
-from zerolite.hybrid import shard_group_size
-from zerolite.layout import FlatLayout
 from zerolite.memory.footprint import MemoryBreakdown, formula, layout_imbalance
 from zerolite.optim.multi import inner_optimizers
-from zerolite.optim.offload import (
+from zerolite.optim.sharded_optimizer import check_not_sharded, require_sharded_optimizer
+from zerolite.plan.layout import FlatLayout
+from zerolite.plan.offload import (
     OffloadLayout,
     chunk_bytes_for,
     offload_layout,
     state_fields,
 )
-from zerolite.optim.registry import NAMED, build_named, name_of, spec_of
-from zerolite.optim.sharded_optimizer import require_sharded_optimizer
-from zerolite.plan import plan_layout
-from zerolite.quantize_setup import residual_numel
-from zerolite.stages import STAGES
-from zerolite.tensor_layout import assign_owners
+from zerolite.plan.optimizers import NAMED, build_named, name_of, spec_of
+from zerolite.plan.owners import assign_owners
+from zerolite.plan.quantization import residual_numel
+from zerolite.plan.shard_plan import plan_layout
+from zerolite.plan.stages import STAGES
 
 __all__ = ["estimate", "state_bytes"]
 
@@ -106,10 +106,10 @@ def _breakdown(
 
     state = 0
     for b in buffers:
-        for piece in b.layout.pieces(rank):
-            g_index = b.groups[piece.index]
+        for span in b.layout.spans(rank):
+            g_index = b.groups[span.index]
             per_element, scalars = state_bytes(stepped_by[g_index], optimizer.param_groups[g_index])
-            state += piece.numel * per_element + scalars
+            state += span.numel * per_element + scalars
     other = sum(q.numel() * q.element_size() for q in unmanaged)
     other_grads = sum(q.numel() * q.element_size() for q in unmanaged if q.requires_grad)
     upcast = (
@@ -204,16 +204,14 @@ def estimate(
         opt = build_named(_formula_name(optimizer), list(model.parameters()))
     else:
         opt = optimizer
-    plan = plan_layout(model, opt, config)
-    owners = (
-        assign_owners(plan, shards)
-        if plan.partition == "tensor"
-        else [None] * len(plan.flat_params)
-    )
+    check_not_sharded(model, opt)
+    plan = plan_layout(model, inner_optimizers(opt), config)
+    if plan.partition == "tensor":
+        plan = assign_owners(plan, shards)
     root_last = STAGES[config.stage].shards_parameters  # the last buffer is the root unit's
     buffers = [
         _Buffer(
-            FlatLayout(tuple(p.numel() for _, p in params), shards, owners[b]),
+            plan.layout(b, shards),
             [plan.group_of[id(p)] for _, p in params],
             root=root_last and b == len(plan.flat_params) - 1,
         )

@@ -12,7 +12,7 @@
 - ``residual``: ``ZeroConfig.quantize_reduce``'s error-feedback residuals, fp32, what this
   rank's contributions to the other ranks' chunks lost: 4 (N-1)/N bytes per parameter;
   with hybrid sharding over shard groups of k, 4 (k-1)/k within the group plus 4/k for
-  the quantized cross-node step (`zerolite.quantized_replicas`)
+  the quantized cross-node step (`zerolite.comm.quantized_replicas`)
   (``quantize_gather`` costs no residual, but in fp32 stages 1-2 it makes the master a
   copy: 4/N bytes per parameter under ``master``, 4/k with hybrid sharding);
 - ``transient``: buffers alive only around communication or the step (stage-2 gradient
@@ -21,7 +21,7 @@
 
 One field is not bytes: ``ownership_imbalance``, under whole-tensor ownership
 (``ZeroConfig.partition="tensor"``), is max / min over ranks of the trained elements each
-rank owns (`zerolite.tensor_layout.imbalance`; 1.0 under ``"flat"``): the rank owning the
+rank owns (`zerolite.plan.owners.imbalance`; 1.0 under ``"flat"``): the rank owning the
 most holds that much more master, gradient shard and optimizer state than the lightest.
 
 With ``ZeroConfig(offload=...)``, ``offloaded`` is the tier's bytes (per-element
@@ -30,13 +30,14 @@ optimizer state, and 16-bit masters, of the offloaded pieces): their own line,
 outside ``model_states`` and ``total``. (A ``"host"`` arena of a CPU model is host
 memory all the same: the process RSS includes it.) Both are the bytes actually allocated:
 the arena is never pinned, and ``offload_staging`` -- the streamed step's three staging
-buffers, host memory pinned at exactly their size for a CUDA model (`zerolite.pinned`),
+buffers, host memory pinned at exactly their size for a CUDA model (`zerolite.state.pinned`),
 allocated at the first step -- is its own line too.
 
 `footprint` counts each distinct storage once (``untyped_storage().data_ptr()``), in
 the order of the fields above: a view shares its base's storage and is not counted
-again. `formula` is DESIGN §3's table for Adam-style state (8 bytes per parameter);
-what each stage shards is `zerolite.stages.STAGES`, state bytes `zerolite.optim.registry`.
+again. `formula` is the table of docs/design.md ("Memory per rank") for Adam-style state
+(8 bytes per parameter);
+what each stage shards is `zerolite.plan.stages.STAGES`, state bytes `zerolite.plan.optimizers`.
 """
 
 from __future__ import annotations
@@ -47,11 +48,11 @@ from fractions import Fraction
 
 import torch
 
-from zerolite.layout import FlatLayout
-from zerolite.optim.registry import STATE_BYTES_PER_PARAM
 from zerolite.optim.sharded_optimizer import ShardedOptimizer, require_sharded_optimizer
-from zerolite.stages import STAGES
-from zerolite.tensor_layout import imbalance
+from zerolite.plan.layout import FlatLayout
+from zerolite.plan.optimizers import STATE_BYTES_PER_PARAM
+from zerolite.plan.owners import imbalance
+from zerolite.plan.stages import STAGES
 
 __all__ = ["MemoryBreakdown", "footprint", "formula", "offload_label", "STATE_BYTES_PER_PARAM"]
 
@@ -159,7 +160,7 @@ def footprint(opt: ShardedOptimizer) -> MemoryBreakdown:
     grads = census.count(persistent + other_grads)
     state = census.count(_state_tensors(opt))
     residual = census.count(
-        [b.residual for b in opt.buckets] + [b.replica_residual for b in opt.buckets]
+        [r for flat in opt.flats for r in flat.exchange.residuals]
     )
     transient = census.count(
         [b.shard if b.keep_full else b.full for b in opt.buckets]
@@ -200,7 +201,8 @@ def formula(
     error_feedback: bool = False,
     shard_group_size: int | None = None,
 ) -> MemoryBreakdown:
-    """DESIGN §3's per-rank model states for ``num_params`` parameters, without padding.
+    """The ZeRO paper's per-rank model states for ``num_params`` parameters, without padding
+    (docs/design.md, "Memory per rank").
 
     Args:
         num_params: Ψ, the number of trained parameter elements.
@@ -219,26 +221,13 @@ def formula(
             residual per parameter and other rank, 4 (N-1)/N bytes per parameter; with
             hybrid sharding, 4 (k-1)/k within the shard group plus 4/k for the cross-node
             step (when N > k).
-        shard_group_size: k, hybrid sharding (`zerolite.hybrid`): states are sharded over
+        shard_group_size: k, hybrid sharding (`zerolite.comm.hybrid`): states are sharded over
             k ranks, not N (stage 3 in fp32 with Adam: 16Ψ/k); None means N.
     Returns:
         A `MemoryBreakdown` with ``transient = 0``. Example: 7.5e9 parameters, N=64,
         bf16, stages 0-3 give 120, 31.4, 16.6 and 1.88 GB of model states.
     """
-    if stage not in tuple(STAGES):
-        raise ValueError(f"stage must be 0 (DDP), 1, 2 or 3, got {stage!r}")
-    if world_size < 1:
-        raise ValueError(f"world_size must be >= 1, got {world_size!r}")
-    k = world_size if shard_group_size is None else shard_group_size
-    if isinstance(k, bool) or not isinstance(k, int) or k < 1 or k > world_size or world_size % k:
-        raise ValueError(
-            f"shard_group_size must be None or an int k >= 1 dividing world_size={world_size}, "
-            f"got {shard_group_size!r}"
-        )
-    if optimizer not in STATE_BYTES_PER_PARAM:
-        raise ValueError(
-            f"optimizer must be one of {sorted(STATE_BYTES_PER_PARAM)}, got {optimizer!r}"
-        )
+    k = _check_formula(world_size, stage, optimizer, shard_group_size)
     policy = STAGES[stage]
     psi = Fraction(num_params)
 
@@ -267,3 +256,24 @@ def formula(
         if error_feedback
         else 0,
     )
+
+
+def _check_formula(
+    world_size: int, stage: int, optimizer: str, shard_group_size: int | None
+) -> int:
+    """`formula`'s arguments, checked; returns k (the ranks that shard)."""
+    if stage not in tuple(STAGES):
+        raise ValueError(f"stage must be 0 (DDP), 1, 2 or 3, got {stage!r}")
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size!r}")
+    k = world_size if shard_group_size is None else shard_group_size
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1 or k > world_size or world_size % k:
+        raise ValueError(
+            f"shard_group_size must be None or an int k >= 1 dividing world_size={world_size}, "
+            f"got {shard_group_size!r}"
+        )
+    if optimizer not in STATE_BYTES_PER_PARAM:
+        raise ValueError(
+            f"optimizer must be one of {sorted(STATE_BYTES_PER_PARAM)}, got {optimizer!r}"
+        )
+    return k

@@ -12,7 +12,7 @@ optimizer watches those and attaches to the optimizer ``shard()`` returns inside
   unit of a build and after a load), i.e. bytes of parameters, gradients, masters,
   optimizer state and transient buffers zerolite knows of;
 - ``t.peaks[phase].process``: what ``t.peaks[phase].kind`` says, decided when the phase
-  begins from the device of the tracked model's flat buffers (`zerolite.devices`), never
+  begins from the device of the tracked model's flat buffers (`zerolite.comm.devices`), never
   from whether CUDA happens to be initialised:
 
   - ``"CUDA peak allocated"`` (a CUDA model): the most bytes allocated on the model's

@@ -1,6 +1,9 @@
-"""The optimizer side of zerolite: fp32 masters, the sharded step, clipping, the allow-list."""
+"""The step: `ShardedOptimizer` (reduce, step this rank's masters, all-gather), several user
+optimizers as one, re-pointing, clipping, fp16 loss scaling, the streamed step of an offload
+tier, and per-rank state dicts. ``ELEMENTWISE_OPTIMIZERS`` is `zerolite.plan.optimizers`'
+allow-list, named here too."""
 
-from zerolite.optim.contract import ELEMENTWISE_OPTIMIZERS
 from zerolite.optim.sharded_optimizer import ShardedOptimizer
+from zerolite.plan.optimizers import ELEMENTWISE_OPTIMIZERS
 
 __all__ = ["ELEMENTWISE_OPTIMIZERS", "ShardedOptimizer"]

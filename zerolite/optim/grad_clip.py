@@ -13,8 +13,8 @@ import math
 
 import torch
 
-from zerolite.collectives import Group
-from zerolite.small_exchange import exchange_small
+from zerolite.comm.collectives import Group
+from zerolite.comm.small_exchange import exchange_small
 
 __all__ = ["global_grad_norm", "clip_coefficient"]
 

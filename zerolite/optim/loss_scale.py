@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from zerolite.collectives import Group
-from zerolite.small_exchange import exchange_small
+from zerolite.comm.collectives import Group
+from zerolite.comm.small_exchange import exchange_small
 
 __all__ = ["DynamicLossScaler"]
 

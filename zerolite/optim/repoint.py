@@ -13,7 +13,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from zerolite.shard_state import Piece
+from zerolite.state.pieces import Piece
 
 __all__ = ["repoint_optimizer"]
 
@@ -32,7 +32,7 @@ def repoint_optimizer(
 
     Args:
         optimizer: the user's optimizer, still holding the model's parameters.
-        pieces: this rank's pieces (`zerolite.shard_state.pieces_of`), in layout order.
+        pieces: this rank's pieces (`zerolite.state.shard_state.pieces_of`), in layout order.
         group_of: ``id(param) -> index`` of the param group holding it.
         frozen: parameters the optimizer holds that are not trained (their state is dropped).
     """

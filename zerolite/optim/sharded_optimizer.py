@@ -1,6 +1,6 @@
 """`ShardedOptimizer`: the user's optimizer, stepping only this rank's shard.
 
-One `step()` runs in three phases (DESIGN §2):
+One `step()` runs in three phases (docs/design.md, "The data path of a step"):
 
 1. **Reduce**: every bucket's gradients are averaged over ranks into this rank's
    shard (stage 2 did most of this during backward; stage 1 does it now).
@@ -24,21 +24,22 @@ from typing import Any
 
 import torch
 
-from zerolite.bucket import GradBucket
-from zerolite.collectives import Group
+from zerolite.comm.collectives import Group
 from zerolite.config import ZeroConfig
-from zerolite.flat_buffer import FlatParamBuffer
-from zerolite.grad_reducer import GradReducer
-from zerolite.hooks import KeepFullGrads, ShardGradsInBackward
+from zerolite.grads.bucket import GradBucket
+from zerolite.grads.hooks import KeepFullGrads, ShardGradsInBackward
+from zerolite.grads.reducer import GradReducer
 from zerolite.optim.grad_clip import clip_coefficient, global_grad_norm
 from zerolite.optim.loss_scale import DynamicLossScaler
-from zerolite.optim.master import MasterShard
 from zerolite.optim.optimizer_hooks import init_optimizer_hooks
 from zerolite.optim.state_dict import load_sharded_state_dict, sharded_state_dict
 from zerolite.optim.streamed_step import stream_step
-from zerolite.shard_state import ShardState
+from zerolite.params.flat_buffer import FlatParamBuffer
+from zerolite.plan.inputs import check_model
+from zerolite.state.master import MasterShard
+from zerolite.state.shard_state import ShardState, state_of
 
-__all__ = ["ShardedOptimizer", "require_sharded_optimizer"]
+__all__ = ["ShardedOptimizer", "check_not_sharded", "require_sharded_optimizer"]
 
 logger = logging.getLogger(__name__)
 
@@ -101,7 +102,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def defaults(self, value: dict[str, Any]) -> None:
         self.optimizer.defaults = value
 
-    # -- the model's ShardState (zerolite.shard_state) ----------------------------------
+    # -- the model's ShardState (zerolite.state.shard_state) ----------------------------------
     @property
     def config(self) -> ZeroConfig:
         return self.shard_state.config
@@ -207,7 +208,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 self._step_masters(waiting)
                 waiting = []
             if master.flat.replicated:  # stage 3 keeps parameters sharded: nothing to gather
-                gathers.append(master.flat.all_gather(self.group))
+                gathers.append(master.flat.all_gather())
         self._step_masters(waiting)
         for gather in gathers:
             gather.wait()
@@ -335,7 +336,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         Carries rank, world size, stage and a layout digest; see `load_state_dict`.
         Tensors are references (as with any torch optimizer): copy before mutating.
         """
-        return sharded_state_dict(self)
+        return sharded_state_dict(self.shard_state, self.loss_scaler)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load the dict this same rank saved, at the same world size, stage and layout.
@@ -343,7 +344,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         Every rank must call, each with its own rank's dict. Refused on every rank,
         before anything changes, if any rank got another rank's dict or another layout.
         """
-        load_sharded_state_dict(self, state_dict)
+        load_sharded_state_dict(self.shard_state, state_dict, self.loss_scaler)
 
     def publish_masters(self) -> None:
         """Make the parameters show masters and shards written outside `step` (by a load).
@@ -395,3 +396,20 @@ def require_sharded_optimizer(opt: object, caller: str) -> ShardedOptimizer:
             f"{type(opt).__name__}; pass opt = zerolite.shard(model, optimizer, config)"
         )
     return opt
+
+
+def check_not_sharded(model: object, optimizer: object) -> None:
+    """Refuse to shard ``model`` or ``optimizer`` a second time (`shard()` and ``estimate``).
+
+    Raises:
+        TypeError: ``model`` is not an ``nn.Module``; ``optimizer`` is a `ShardedOptimizer`.
+        RuntimeError: ``model`` was sharded already.
+    """
+    check_model(model)
+    if isinstance(optimizer, ShardedOptimizer):
+        raise TypeError("this optimizer is already a ShardedOptimizer; call shard() once per model")
+    if state_of(model) is not None:
+        raise RuntimeError(
+            "this model was already sharded by zerolite.shard(); shard() may be called once per "
+            "model (build a new model and optimizer to shard again)"
+        )

@@ -12,57 +12,61 @@ For files that survive a change of world size, use `zerolite.checkpoint`.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-from zerolite.consensus import agreed
-
-if TYPE_CHECKING:
-    from zerolite.optim.sharded_optimizer import ShardedOptimizer
+from zerolite.comm.consensus import agreed
+from zerolite.optim.loss_scale import DynamicLossScaler
+from zerolite.state.shard_state import ShardState
 
 __all__ = ["sharded_state_dict", "load_sharded_state_dict"]
 
 FORMAT = 1
 
 
-def sharded_state_dict(opt: ShardedOptimizer) -> dict[str, Any]:
-    """This rank's optimizer state; tensors are references, as torch's ``state_dict()``."""
-    if opt.shard_state.offload is not None:
+def sharded_state_dict(
+    state: ShardState, loss_scaler: DynamicLossScaler | None
+) -> dict[str, Any]:
+    """This rank's optimizer state (``state``'s, and the fp16 ``loss_scaler``'s); tensors are
+    references, as torch's ``state_dict()``."""
+    if state.offload is not None:
         raise RuntimeError(
             "state_dict() holds the whole state in memory, and this model offloads it "
             "(ZeroConfig.offload): save with zerolite.checkpoint.save, which reads the tier"
         )
-    inner = opt.optimizer.state_dict()
+    inner = state.inner.state_dict()
     inner["zerolite"] = {
         "format": FORMAT,
-        "rank": opt.group.rank,
-        "world_size": opt.group.size,
-        "stage": opt.config.stage,
-        "layout": opt.layout_digest,
-        "masters": [master.data for master in opt.masters],
+        "rank": state.group.rank,
+        "world_size": state.group.size,
+        "stage": state.config.stage,
+        "layout": state.layout_digest,
+        "masters": [master.data for master in state.masters],
         # ZeroConfig.quantize_reduce's error-feedback residuals (the layout digest pins them).
-        "residuals": _residuals(opt),
-        "loss_scaler": None if opt.loss_scaler is None else opt.loss_scaler.state_dict(),
-        "groups": _group_names(opt),
+        "residuals": _residuals(state),
+        "loss_scaler": None if loss_scaler is None else loss_scaler.state_dict(),
+        "groups": _group_names(state),
     }
     return inner
 
 
-def _residuals(opt: ShardedOptimizer) -> list[torch.Tensor]:
+def _residuals(state: ShardState) -> list[torch.Tensor]:
     """Every error-feedback residual: the shard group's, then (hybrid) the cross-node step's."""
-    within = [b.residual for b in opt.buckets if b.residual is not None]
-    return within + [b.replica_residual for b in opt.buckets if b.replica_residual is not None]
+    exchanges = [flat.exchange for flat in state.flats]
+    within = [e.residual for e in exchanges if e.residual is not None]
+    return within + [e.replica_residual for e in exchanges if e.replica_residual is not None]
 
 
-def _group_names(opt: ShardedOptimizer) -> list[list[str]]:
+def _group_names(state: ShardState) -> list[list[str]]:
     """Per param group, the names of the parameters with a piece on this rank, in order.
 
     The wrapped optimizer's ``load_state_dict`` matches groups by position; these names
     let a dict saved with the groups in another order be refused by name."""
-    name_of = {id(piece.master): piece.name for piece in opt.shard_state.pieces()}
+    name_of = {id(piece.master): piece.name for piece in state.pieces()}
     return [
-        [name_of[id(t)] for t in group["params"] if id(t) in name_of] for group in opt.param_groups
+        [name_of[id(t)] for t in group["params"] if id(t) in name_of]
+        for group in state.inner.param_groups
     ]
 
 
@@ -81,7 +85,9 @@ def _describe(groups: list[list[str]]) -> str:
     return "; ".join(parts)
 
 
-def _check(opt: ShardedOptimizer, state_dict: dict[str, Any]) -> None:
+def _check(
+    state: ShardState, state_dict: dict[str, Any], loss_scaler: DynamicLossScaler | None
+) -> None:
     meta = state_dict.get("zerolite") if isinstance(state_dict, dict) else None
     if meta is None:
         raise ValueError(
@@ -103,7 +109,7 @@ def _check(opt: ShardedOptimizer, state_dict: dict[str, Any]) -> None:
             f"this ShardedOptimizer state dict lacks {missing}; load the dict that "
             "ShardedOptimizer.state_dict() returned, unchanged"
         )
-    here = (opt.group.rank, opt.group.size)
+    here = (state.group.rank, state.group.size)
     saved = (meta["rank"], meta["world_size"])
     if saved != here:
         raise ValueError(
@@ -112,24 +118,24 @@ def _check(opt: ShardedOptimizer, state_dict: dict[str, Any]) -> None:
             "state dict does not reshard; zerolite.checkpoint does)"
         )
     saved_groups = meta.get("groups")  # absent from dicts of older versions
-    if saved_groups is not None and _moved(saved_groups, _group_names(opt)):
+    if saved_groups is not None and _moved(saved_groups, _group_names(state)):
         raise ValueError(
             "this state dict's param groups hold other parameters than this optimizer's (groups "
             "are matched by position): state dict "
-            f"{_describe(saved_groups)}; this optimizer {_describe(_group_names(opt))}. Build the "
-            "optimizer with the groups in the order they had when the state dict was saved"
+            f"{_describe(saved_groups)}; this optimizer {_describe(_group_names(state))}. Build "
+            "the optimizer with the groups in the order they had when the state dict was saved"
         )
-    if meta["stage"] != opt.config.stage or meta["layout"] != opt.layout_digest:
+    if meta["stage"] != state.config.stage or meta["layout"] != state.layout_digest:
         raise ValueError(
             f"this state dict was saved with stage {meta['stage']} and another parameter layout "
             "(model, optimizer groups or bucket_size_mb differ); load it into the same setup, or "
             "use zerolite.checkpoint"
         )
-    if len(meta["masters"]) != len(opt.masters):
+    if len(meta["masters"]) != len(state.masters):
         raise ValueError(
-            f"state dict has {len(meta['masters'])} master shards, expected {len(opt.masters)}"
+            f"state dict has {len(meta['masters'])} master shards, expected {len(state.masters)}"
         )
-    for i, (master, saved) in enumerate(zip(opt.masters, meta["masters"])):
+    for i, (master, saved) in enumerate(zip(state.masters, meta["masters"])):
         if not isinstance(saved, torch.Tensor) or saved.shape != master.data.shape:
             shape = tuple(saved.shape) if isinstance(saved, torch.Tensor) else type(saved).__name__
             raise ValueError(
@@ -138,36 +144,39 @@ def _check(opt: ShardedOptimizer, state_dict: dict[str, Any]) -> None:
             )
     residuals = meta.get("residuals")  # absent from dicts of older versions: restart at zero
     if residuals is not None and [tuple(r.shape) for r in residuals] != [
-        tuple(r.shape) for r in _residuals(opt)
+        tuple(r.shape) for r in _residuals(state)
     ]:
         raise ValueError(
             "this state dict's error-feedback residuals do not match this optimizer's "
             "(ZeroConfig.quantize_reduce / error_feedback differ); load it into the same setup"
         )
-    if (meta["loss_scaler"] is None) != (opt.loss_scaler is None):
+    if (meta["loss_scaler"] is None) != (loss_scaler is None):
         raise ValueError("state dict and optimizer disagree on fp16 loss scaling")
 
 
 @torch.no_grad()
-def load_sharded_state_dict(opt: ShardedOptimizer, state_dict: dict[str, Any]) -> None:
-    """Load this rank's dict (every rank must call, each with its own rank's dict)."""
-    with agreed("ShardedOptimizer.load_state_dict()", opt.group.world, [opt.layout_digest]):
-        if opt.shard_state.offload is not None:
+def load_sharded_state_dict(
+    state: ShardState, state_dict: dict[str, Any], loss_scaler: DynamicLossScaler | None
+) -> None:
+    """Load this rank's dict into ``state`` and the fp16 ``loss_scaler`` (every rank must
+    call, each with its own rank's dict)."""
+    with agreed("ShardedOptimizer.load_state_dict()", state.group.world, [state.layout_digest]):
+        if state.offload is not None:
             raise RuntimeError(
                 "load_state_dict() is for in-memory state, and this model offloads it "
                 "(ZeroConfig.offload): load with zerolite.checkpoint.load"
             )
-        _check(opt, state_dict)
+        _check(state, state_dict, loss_scaler)
     meta = state_dict["zerolite"]
-    opt.optimizer.load_state_dict({k: v for k, v in state_dict.items() if k != "zerolite"})
-    for master, saved in zip(opt.masters, meta["masters"]):
+    state.inner.load_state_dict({k: v for k, v in state_dict.items() if k != "zerolite"})
+    for master, saved in zip(state.masters, meta["masters"]):
         master.data.copy_(saved)
     saved_residuals = meta.get("residuals")
-    for residual, saved in zip(_residuals(opt), saved_residuals or []):
+    for residual, saved in zip(_residuals(state), saved_residuals or []):
         residual.copy_(saved)
     if saved_residuals is None:
-        for residual in _residuals(opt):
+        for residual in _residuals(state):
             residual.zero_()
-    opt.publish_masters()
-    if opt.loss_scaler is not None:
-        opt.loss_scaler.load_state_dict(meta["loss_scaler"])
+    state.publish()
+    if loss_scaler is not None:
+        loss_scaler.load_state_dict(meta["loss_scaler"])

@@ -33,8 +33,9 @@ from typing import Any
 
 import torch
 
-from zerolite.optim.master import MasterShard
-from zerolite.optim.offload import MASTER, OffloadTier
+from zerolite.plan.offload import MASTER
+from zerolite.state.master import MasterShard
+from zerolite.state.offload import OffloadTier
 
 __all__ = ["stream_step"]
 
@@ -72,7 +73,7 @@ def stream_step(
     Args:
         tier: the model's offload tier.
         masters: the buffers stepped now, each with ``grad_shard`` and ``used`` set.
-        optimizer: the user's optimizer (its param groups hold the master pieces).
+        optimizer: the user's optimizer (its param groups hold the pieces' master views).
     """
     group_of = {
         id(t): g for g, group in enumerate(optimizer.param_groups) for t in group["params"]
@@ -115,26 +116,26 @@ def _chunks(
         buffer = master.flat.index  # trained buffers come first: the bucket's index
         assert master.used is not None
         for j in range(master.offloaded):
-            piece = master.flat.pieces[j]
-            if not master.used[piece.index]:
+            span = master.flat.spans[j]
+            if not master.used[span.index]:
                 continue  # no gradient anywhere: torch would skip it, state unchanged
             slot = tier.slot_of(buffer, j)
             assert slot is not None
             per = max(1, tier.layout.slots[slot].bytes_per_element)
-            group = group_of[id(master.pieces[j])]
+            group = group_of[id(master.views[j])]
             initialized = tier.initialized[slot]
-            scalars = optimizer_state.get(master.pieces[j], {})
+            scalars = optimizer_state.get(master.views[j], {})
             lo = 0
-            while lo < piece.numel:
+            while lo < span.numel:
                 if room <= 0:
                     if current:
                         chunks.append(current)
                     current, room = [], tier.chunk_bytes
-                take = min(piece.numel - lo, max(1, room // per))
+                take = min(span.numel - lo, max(1, room // per))
                 # The piece's last segment steps its own scalars (in place, as in memory);
                 # an earlier one a copy. No new long-lived tensors: allocated amid the
                 # step's freed temporaries, they would pin holes the next forward needs.
-                last = lo + take == piece.numel
+                last = lo + take == span.numel
                 current.append(_Segment(
                     slot, master, j, lo, lo + take, group, initialized,
                     dict(scalars) if last else _copy(scalars),
@@ -201,13 +202,13 @@ def _step_chunk(
     groups: list[list[torch.Tensor]] = [[] for _ in optimizer.param_groups]
     device = tier.device
     for seg in chunk:
-        master, piece = seg.master, seg.master.flat.pieces[seg.position]
+        master, span = seg.master, seg.master.flat.spans[seg.position]
         if seg.values is None:  # fp32: the master is the parameter shard; step it in place
-            seg.values = master.pieces[seg.position][seg.lo : seg.hi]
+            seg.values = master.views[seg.position][seg.lo : seg.hi]
         elif seg.values.device != device:
             seg.values = seg.values.to(device, non_blocking=True)
         assert master.grad_shard is not None and seg.state is not None
-        start = piece.shard_start
+        start = span.shard_start
         seg.values.grad = master.grad_shard[start + seg.lo : start + seg.hi]
         seg.state = {
             **seg.scalars, **{k: v.to(device, non_blocking=True) for k, v in seg.state.items()}
@@ -228,7 +229,7 @@ def _step_chunk(
             seg.state = optimizer.state.pop(seg.values, {})
             seg.values.grad = None
     for seg in chunk:
-        master, piece = seg.master, seg.master.flat.pieces[seg.position]
+        master, span = seg.master, seg.master.flat.spans[seg.position]
         keys = tier.state_keys(seg.slot)
         assert seg.state is not None
         assert seg.values is not None
@@ -241,12 +242,12 @@ def _step_chunk(
                 f"{type(optimizer).__qualname__} made per-element state {unknown} that the "
                 f"offload layout does not hold (it holds {keys}): use offload=None"
             )
-        optimizer.state[master.pieces[seg.position]] = {
+        optimizer.state[master.views[seg.position]] = {
             k: v for k, v in seg.state.items() if k not in keys
         }
         tier.initialized[seg.slot] = True
         if tier.has_master(seg.slot):  # cast down into the parameter shard, as write_back
-            start = piece.shard_start
+            start = span.shard_start
             master.flat.shard[start + seg.lo : start + seg.hi].copy_(seg.values)
         seg.outgoing = {MASTER: seg.values} if tier.has_master(seg.slot) else {}
         seg.outgoing.update((k, seg.state[k]) for k in keys if k in seg.state)

@@ -1,0 +1,2 @@
+"""Where gradients go: backward hooks -> the reducer (launch order, agreement) -> one bucket
+per flat buffer, reduce-scattered into this rank's gradient shard."""

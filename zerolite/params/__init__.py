@@ -1,0 +1,2 @@
+"""Where parameters live: flat buffers and their views, a meta-device build, stage 3's
+gather-before-use scheduler, and what `zerolite.shard` changes on the model."""

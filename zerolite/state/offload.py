@@ -1,0 +1,229 @@
+"""The offload tier: this rank's share of the optimizer state outside compute memory.
+
+`zerolite.plan.offload` decides which pieces are offloaded and where each field lies (an
+`OffloadLayout` of `Slot`s); the `OffloadTier` holds them in an *arena*:
+
+- ``"disk"``: one preallocated file per rank and model under ``offload_dir``, read and
+  written with ``pread``/``pwrite`` (the page cache is the kernel's, not the process's),
+  unlinked once reserved so that no exit, however abrupt, leaves it behind;
+- ``"host"``: one host tensor (never pinned: only the host touches it).
+
+For a CUDA model the streamed step's three staging buffers are pinned, at exactly their
+size (`zerolite.state.pinned`), so its device copies are asynchronous. The step that
+streams the arena through the user's optimizer is `zerolite.optim.streamed_step`.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import weakref
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from zerolite.config import ZeroConfig
+from zerolite.plan.offload import MASTER, OffloadLayout, chunk_bytes_for
+from zerolite.state.arena import DiskArena, HostArena
+from zerolite.state.master import MasterShard
+from zerolite.state.pinned import host_buffer, pinning_available
+
+__all__ = ["OffloadTier", "build_tier", "check_offload"]
+
+
+def check_offload(layout: OffloadLayout, config: ZeroConfig, device: torch.device) -> None:
+    """Raise ValueError if the tier cannot hold ``layout`` (run by `shard()` before it
+    changes anything): a missing or unwritable directory, too little free space for the
+    exact byte count, or ``"host"`` for a CUDA model on a system that cannot pin memory
+    (its staging buffers need it)."""
+    if layout.tier == "disk":
+        where = config.offload_dir
+        if where is None or not os.path.isdir(where):
+            raise ValueError(
+                f"ZeroConfig.offload_dir: {where!r} is not an existing directory; create it "
+                "or pass another offload_dir"
+            )
+        try:  # a real file: permission bits, read-only mounts and root all answer truly
+            with tempfile.TemporaryFile(dir=where):
+                pass
+        except OSError as exc:
+            raise ValueError(
+                f"ZeroConfig.offload_dir: {where!r} is not writable by this process ({exc}); "
+                "pass a directory you can write to"
+            ) from None
+        free = shutil.disk_usage(where).free
+        if free < layout.nbytes:
+            raise ValueError(
+                f"ZeroConfig.offload_dir: {where!r} has {free} bytes free; offloading this "
+                f"rank's optimizer state needs {layout.nbytes} bytes. Free space, pick another "
+                "directory or lower offload_fraction"
+            )
+    elif device.type == "cuda" and not pinning_available():
+        raise ValueError(
+            "ZeroConfig.offload: 'host' needs pinned host memory for a CUDA model (the "
+            "streamed step's staging buffers), and this system cannot pin memory; use "
+            "offload='disk' or offload=None"
+        )
+
+
+def _shutdown(threads: tuple[ThreadPoolExecutor, ...]) -> None:
+    for pool in threads:
+        pool.shutdown(wait=False)
+
+
+class OffloadTier:
+    """This rank's offloaded pieces: their arena, and which ones have state yet.
+
+    Built by `shard()`; found as ``state_of(model).offload``. Reads and writes take CPU
+    tensors and may run on any thread; one piece is never read and written at once.
+
+    Args:
+        layout: from `offload_layout` (already checked by `check_offload`).
+        config: the model's config (``offload_dir``).
+        device: the model's device (its staging buffers are pinned for CUDA).
+        rank: this rank (in the file name).
+    """
+
+    def __init__(
+        self, layout: OffloadLayout, config: ZeroConfig, device: torch.device, rank: int
+    ) -> None:
+        self.layout = layout
+        self.device = device
+        self.arena: DiskArena | HostArena = (
+            DiskArena(str(config.offload_dir), layout.nbytes, rank)
+            if layout.tier == "disk"
+            else HostArena(layout.nbytes)
+        )
+        # Bytes the streamed step moves at once (tests lower it to split pieces).
+        self.chunk_bytes = chunk_bytes_for(layout.nbytes)
+        # Per slot: whether the optimizer has made its state yet (torch creates state
+        # lazily, and e.g. SGD's first momentum is the gradient, not a zero-started one).
+        self.initialized = [False] * len(layout.slots)
+        # The streamed step's three staging buffers (reading, stepping, writing) and its
+        # reader and writer threads; made at the first step, kept while the tier lives.
+        self.staging: list[torch.Tensor] = []
+        self._threads: tuple[ThreadPoolExecutor, ThreadPoolExecutor] | None = None
+        self._slot_of = {(s.buffer, s.position): i for i, s in enumerate(layout.slots)}
+
+    @property
+    def path(self) -> str | None:
+        """The name the arena's file was created under (``"disk"``; already unlinked: the
+        open descriptor holds its space), else None."""
+        return self.arena.path
+
+    def threads(self) -> tuple[ThreadPoolExecutor, ThreadPoolExecutor]:
+        """The (reader, writer) threads; also allocates the staging buffers."""
+        if self._threads is None:
+            self.staging = [self.staging_buffer(self.chunk_bytes) for _ in range(3)]
+            self._threads = (ThreadPoolExecutor(1), ThreadPoolExecutor(1))
+            weakref.finalize(self, _shutdown, self._threads)
+        return self._threads
+
+    def staging_buffer(self, nbytes: int) -> torch.Tensor:
+        """A staging buffer of exactly ``nbytes``: pinned for a CUDA model
+        (`zerolite.state.pinned`)."""
+        return host_buffer(nbytes, pinned=self.device.type == "cuda")
+
+    @property
+    def arena_bytes(self) -> int:
+        """Bytes the arena holds, as allocated (the host tensor, or the file's reservation)."""
+        return self.arena.nbytes
+
+    @property
+    def staging_bytes(self) -> int:
+        """Host bytes of the streamed step's staging buffers, as allocated (0 before the
+        first step; pinned for a CUDA model)."""
+        return sum(t.untyped_storage().nbytes() for t in self.staging)
+
+    def field_dtype(self, slot: int, field: str) -> torch.dtype:
+        return self._field(slot, field)[0]
+
+    def read_into(self, slot: int, field: str, lo: int, out: torch.Tensor) -> None:
+        """Read elements [lo, lo + out.numel()) of one field into ``out`` (1-D, CPU)."""
+        dtype, offset = self._field(slot, field)
+        self.arena.read(offset + lo * dtype.itemsize, out)
+
+    def slot_of(self, buffer: int, position: int) -> int | None:
+        """The slot of piece ``position`` of flat buffer ``buffer``; None if resident."""
+        return self._slot_of.get((buffer, position))
+
+    def read(self, slot: int, field: str, lo: int, hi: int) -> torch.Tensor:
+        """Elements [lo, hi) of one field of slot ``slot``: a new CPU tensor."""
+        dtype, offset = self._field(slot, field)
+        out = torch.empty(hi - lo, dtype=dtype)
+        self.arena.read(offset + lo * dtype.itemsize, out)
+        return out
+
+    def write(self, slot: int, field: str, lo: int, values: torch.Tensor) -> None:
+        """Write ``values`` (1-D, the field's dtype) at element ``lo`` of a field."""
+        dtype, offset = self._field(slot, field)
+        self.arena.write(offset + lo * dtype.itemsize, values.detach().to("cpu", dtype))
+
+    def state_keys(self, slot: int) -> list[str]:
+        """The per-element state keys slot ``slot`` holds."""
+        return [name for name, _, _ in self.layout.slots[slot].fields if name != MASTER]
+
+    def has_master(self, slot: int) -> bool:
+        return any(name == MASTER for name, _, _ in self.layout.slots[slot].fields)
+
+    def read_state(self, slot: int) -> dict[str, torch.Tensor]:
+        """A whole piece's per-element state (empty before its first step)."""
+        if not self.initialized[slot]:
+            return {}
+        numel = self.layout.slots[slot].numel
+        return {key: self.read(slot, key, 0, numel) for key in self.state_keys(slot)}
+
+    def write_state(self, slot: int, state: dict[str, Any]) -> dict[str, Any]:
+        """Store the per-element entries of ``state`` (a whole piece's); returns the rest
+        (the scalars, which stay in ``optimizer.state``). Empty ``state``: no state yet."""
+        keys = self.state_keys(slot)
+        per_element = {k: v for k, v in state.items() if k in keys}
+        if per_element and set(per_element) != set(keys):
+            raise ValueError(
+                f"offloaded optimizer state has keys {sorted(per_element)}, the optimizer "
+                f"keeps {sorted(keys)} per element"
+            )
+        for key, value in per_element.items():
+            self.write(slot, key, 0, value.reshape(-1))
+        self.initialized[slot] = bool(per_element) or (not keys and bool(state))
+        return {k: v for k, v in state.items() if k not in keys}
+
+    def close(self) -> None:
+        """Release the arena now (files removed); also happens at garbage collection."""
+        self.arena.close()
+        if self._threads is not None:
+            _shutdown(self._threads)
+        self.staging = []
+
+    def _field(self, slot: int, field: str) -> tuple[torch.dtype, int]:
+        for name, dtype, offset in self.layout.slots[slot].fields:
+            if name == field:
+                return dtype, offset
+        raise KeyError(f"offload slot {slot} has no field {field!r}")
+
+
+@torch.no_grad()
+def build_tier(
+    layout: OffloadLayout,
+    masters: list[MasterShard],
+    optimizer: torch.optim.Optimizer,
+    config: ZeroConfig,
+    rank: int,
+) -> OffloadTier:
+    """The tier for ``layout``, holding the offloaded pieces' masters (16-bit: their
+    values from the parameter shard) and any state the optimizer already had."""
+    device = masters[0].flat.data.device if masters else torch.device("cpu")
+    tier = OffloadTier(layout, config, device, rank)
+    for index, slot in enumerate(layout.slots):
+        master = masters[slot.buffer]
+        span = master.flat.spans[slot.position]
+        view = master.views[slot.position]
+        if tier.has_master(index):
+            values = master.flat.shard[span.shard_start : span.shard_start + span.numel]
+            tier.write(index, MASTER, 0, values.float())
+        scalars = tier.write_state(index, optimizer.state.pop(view, {}))
+        if scalars:
+            optimizer.state[view] = scalars
+    return tier
