@@ -297,9 +297,10 @@ def _quantized_problems(got: dict, base: dict, *, gather: bool, reduce: bool,
 
 
 def _replica_problems(got: dict, *, quantized: bool = False) -> list[str]:
-    """Hybrid sharding ran its exchange across replica groups: a float all-reduce of the
-    gradient shards across nodes, or (``quantized``, ``quantize_reduce``) uint8 point-to-point
-    messages across nodes, no float all-reduce there and non-zero cross-node residuals."""
+    """Hybrid sharding ran its exchange across replica groups: the gradient shards crossed
+    nodes in floats (on gloo a point-to-point reduce-scatter and all-gather of R parts), or
+    (``quantized``, ``quantize_reduce``) as uint8 point-to-point messages only, with non-zero
+    cross-node residuals."""
     wire = got["wire"]  # mean_over_ranks/across: the test's own loss average, left out
     across = {k: v for k, v in wire.items()
               if k.endswith("/across") and not k.startswith("mean_over_ranks")}
@@ -308,7 +309,8 @@ def _replica_problems(got: dict, *, quantized: bool = False) -> list[str]:
         ok = p2p and all(v["dtypes"] == ["uint8"] and v["bytes"] > 0 for v in p2p) and (
             "all_reduce/across" not in wire) and got["cross_residuals"] > 0
     else:
-        ok = _sent(wire, "all_reduce/across")[0] > 0 and set(across) == {"all_reduce/across"}
+        ok = set(across) == {"reduce_scatter/across", "all_gather/across"} and all(
+            v["bytes"] > 0 and "uint8" not in v["dtypes"] for v in across.values())
     return [] if ok else [f"replica exchange ({quantized=}) not seen: {across}, cross residuals "
                           f"{got['cross_residuals']}"]
 
