@@ -68,7 +68,7 @@ _UNSUPPORTED = (
     (
         "torch_compile",
         "Trainer's compile path is not tested with ZeroTrainer; torch.compile on a sharded "
-        "model is (README, torch.compile)",
+        "model is (docs/limits.md, torch.compile)",
     ),
     ("auto_find_batch_size", "a retry would re-wrap a model that is already sharded in place"),
     (
