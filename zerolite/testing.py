@@ -100,13 +100,13 @@ def _rank_main(job: bytes, rank: int, world_size: int, store_path: str, timeout:
         import torch
         import torch.distributed as dist
 
-        from zerolite.comm import runtime
-
         torch.set_num_threads(1)
         fn, args = pickle.loads(job)
         store = dist.FileStore(store_path, world_size)  # type: ignore[attr-defined]
         options: dict[str, Any] = {} if backend is None else {"backend": backend}
         if _uses_accelerator(backend):  # rank r on device r, current and bound to the group
+            from zerolite.comm import runtime
+
             device = torch.device(runtime.gpu_type(), rank)
             runtime.set_current_device(device)
             options["device_id"] = device
@@ -160,9 +160,9 @@ def _describe_exit(code: int | None) -> str:
 def _uses_accelerator(backend: str | None) -> bool:
     """Whether ranks of this backend run on GPUs: NCCL (alone or per device, as
     ``"cpu:gloo,cuda:nccl"``), or no backend on a GPU machine (torch then picks NCCL)."""
-    from zerolite.comm import runtime
-
     if backend is None or backend.lower() == "undefined":
+        from zerolite.comm import runtime
+
         return runtime.accelerator_type() is not None
     return "nccl" in backend.lower()
 
