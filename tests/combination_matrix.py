@@ -1,5 +1,5 @@
-"""The combination matrix: the axes every feature is crossed on, what `shard()` and `save()`
-refuse, and a pairwise-covering set of the accepted configurations.
+"""The combination matrix: the axes every feature is crossed on, what `shard()` refuses,
+and a pairwise-covering set of the accepted configurations.
 
 A configuration is a dict over `AXES`. Its *recipe* (stage, dtype, accumulation, clipping)
 is what the user trains; its *features* (offload, partition, hybrid, quantization, async
@@ -57,13 +57,11 @@ REFUSED = (
      "offload with partition='tensor': the tier streams flat pieces"),
     (lambda c: c["partition"] == "tensor" and c["quantize"] is not None,
      "quantized collectives with partition='tensor': owned exchanges are unquantized"),
-    (lambda c: c["async_save"] and c["hybrid"] is not None,
-     "save(blocking=False) with hybrid sharding: the replicas' residuals are not gathered"),
 )
 
 
 def accepted(config: dict) -> bool:
-    """Whether `shard()` and `save()` accept ``config`` today."""
+    """Whether `shard()` accepts ``config`` today."""
     return not any(refused(config) for refused, _ in REFUSED)
 
 
