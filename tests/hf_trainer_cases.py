@@ -357,7 +357,6 @@ def bad_arguments(out: str) -> dict[str, str]:
     cases: dict[str, tuple[dict[str, Any], Any]] = {
         "deepspeed": ({}, None),
         "fsdp": ({"fsdp": "full_shard"}, None),
-        "torch_compile": ({"torch_compile": True}, None),
         "auto_find_batch_size": ({"auto_find_batch_size": True}, None),
         "bf16_full_eval": ({"bf16_full_eval": True}, None),
         "fp16_full_eval": ({"fp16_full_eval": True}, None),

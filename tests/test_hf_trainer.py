@@ -182,7 +182,6 @@ def test_load_best_model_at_end_with_save_total_limit(runs: dict) -> None:
     [
         ("deepspeed", "ValueError: ZeroTrainer cannot honour args.deepspeed="),
         ("fsdp", "ValueError: ZeroTrainer cannot honour args.fsdp="),
-        ("torch_compile", "ValueError: ZeroTrainer cannot honour args.torch_compile=True"),
         (
             "auto_find_batch_size",
             "ValueError: ZeroTrainer cannot honour args.auto_find_batch_size=True",
