@@ -57,6 +57,7 @@ import zerolite.checkpoint
 from zerolite.accelerate import ZeroAccelerator, check_launch
 from zerolite.checkpoint.pending_save import finish_in_flight_everywhere
 from zerolite.checkpoint.run_folders import RunFolders
+from zerolite.comm import runtime
 from zerolite.config import ZeroConfig
 from zerolite.optim.sharded_optimizer import ShardedOptimizer
 from zerolite.plan.optimizers import check_optimizer
@@ -101,7 +102,7 @@ def zero_config_for_args(args: Any, zero_config: ZeroConfig | None) -> ZeroConfi
         ValueError: the config contradicts ``args`` (float16 parameters with ``args.bf16``,
             anything but float16 with ``args.fp16``) or has ``stage=0``; ``args.fp16`` off CUDA.
     """
-    if args.fp16 and args.device.type != "cuda":
+    if args.fp16 and not runtime.is_accelerator(args.device):
         raise ValueError(
             f"args.fp16=True needs a CUDA device (zerolite's loss scaler runs there), but the "
             f"device is {args.device}; use args.bf16=True or ZeroConfig(param_dtype=torch.bfloat16)"
