@@ -111,9 +111,12 @@ def accelerate_loop(
     accelerator, model, opt, train, evaluation, sched = _prepared(stage, precision, head)
     per_epoch = math.ceil(len(train) / ACCUMULATION)
     epoch0, completed, skip = 0, 0, None
+    restored: dict[str, Any] = {}
     if resume is not None:
         epoch0, completed, skip = _resume_position(accelerator, Path(resume), train, per_epoch)
+        restored = _fingerprint(accelerator, model, sched)
     saves: list[str] = []
+    at_save: dict[str, Any] = {}  # the state each folder's last save held
     for epoch in range(epoch0, math.ceil(TOTAL_STEPS / per_epoch)):
         model.train()
         active = accelerator.skip_first_batches(train, skip) if skip and epoch == epoch0 else train
@@ -127,10 +130,14 @@ def accelerate_loop(
                 completed += 1
             if completed % SAVE_EVERY == 0:  # also on the micro-step after: saved twice
                 saves.append(accelerator.save_state(str(out_dir / f"step_{completed}")))
+                if completed == SAVE_EVERY:
+                    at_save[f"step_{completed}"] = _fingerprint(accelerator, model, sched)
             if completed >= TOTAL_STEPS:
                 break
         metrics = _evaluate(accelerator, model, evaluation, head)
         saves.append(accelerator.save_state(str(out_dir / f"epoch_{epoch}")))
+        if epoch == 0:
+            at_save["epoch_0"] = _fingerprint(accelerator, model, sched)
     accelerator.wait_for_everyone()
     unwrapped = accelerator.unwrap_model(model)
     unwrapped.save_pretrained(str(out_dir / "final"), is_main_process=accelerator.is_main_process,
@@ -138,12 +145,21 @@ def accelerate_loop(
     return {
         **metrics,
         "saves": [Path(s).name for s in saves],
+        "at_save": at_save,
+        "restored": restored,
         "get_state_dict": accelerator.get_state_dict(model),
         "masters": zerolite.full_state_dict(unwrapped, rank0_only=False, masters=True),
         "params": zerolite.full_state_dict(unwrapped, rank0_only=False),
         "param_dtypes": sorted({str(p.dtype) for p in unwrapped.parameters()}),
         "marker_runs": sorted({(out_dir / s / "zerolite_run.json").read_text() for s in saves}),
     }
+
+
+def _fingerprint(accelerator: Any, model: Any, sched: Any) -> dict[str, Any]:
+    """What a resume must restore: the weights ``get_state_dict`` returns (fp32 masters in
+    bf16), the scheduler's position and Accelerate's micro-step counter. Every rank calls."""
+    return {"state": accelerator.get_state_dict(model), "step": accelerator.step,
+            "last_epoch": sched.state_dict()["last_epoch"]}
 
 
 def _evaluate(accelerator: Any, model: Any, evaluation: Any, head: str) -> dict[str, Any]:

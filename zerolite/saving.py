@@ -109,9 +109,11 @@ class SavePretrained:
         main = bool(bound.arguments.get("is_main_process", True))
         if bound.arguments.get("state_dict") is None:
             bound.arguments["state_dict"] = weights_for_saving(model, self.save_dtype, keep=main)
+        # Read before the call: transformers' save_pretrained pops the entries it writes.
+        saved = _param_dtype(model, bound.arguments["state_dict"])
         result = self._method(*bound.args, **bound.kwargs)
-        if main:
-            _name_saved_dtype(model, Path(save_directory), bound.arguments["state_dict"])
+        if main and saved is not None:
+            _name_saved_dtype(model, Path(save_directory), saved)
         return result
 
 
@@ -127,17 +129,23 @@ def install_save_pretrained(model: nn.Module, save_dtype: torch.dtype) -> None:
         model.__dict__["save_pretrained"] = SavePretrained(model, method, save_dtype)
 
 
-def _name_saved_dtype(model: nn.Module, directory: Path, weights: dict[str, Any]) -> None:
-    """Rewrite ``config.json`` so that its ``dtype`` names the parameters' dtype in
-    ``weights`` when that differs from the model's compute dtype (transformers writes the
-    latter, and ``from_pretrained`` loads in it by default)."""
-    config = getattr(model, "config", None)
+def _param_dtype(model: nn.Module, weights: dict[str, Any]) -> torch.dtype | None:
+    """The one floating dtype of the parameters' entries in ``weights``, or None (no
+    entries, or several dtypes)."""
     names = {n for n, _ in model.named_parameters(remove_duplicate=False)}
     dtypes = {t.dtype for n, t in weights.items() if n in names and t.is_floating_point()}
-    if config is None or len(dtypes) != 1 or not (directory / "config.json").is_file():
+    return dtypes.pop() if len(dtypes) == 1 else None
+
+
+def _name_saved_dtype(model: nn.Module, directory: Path, dtype: torch.dtype) -> None:
+    """Rewrite ``config.json`` so that its ``dtype`` names ``dtype``, the parameters' dtype
+    written, when that differs from the model's compute dtype (transformers writes the
+    latter, and ``from_pretrained`` loads in it by default)."""
+    config = getattr(model, "config", None)
+    if config is None or not (directory / "config.json").is_file():
         return
-    saved = str(dtypes.pop()).removeprefix("torch.")
-    if getattr(config, "dtype", None) in (saved, getattr(torch, saved)):
+    saved = str(dtype).removeprefix("torch.")
+    if getattr(config, "dtype", None) in (saved, dtype):
         return
     before = config.dtype
     config.dtype = saved
