@@ -16,8 +16,8 @@ Rank bodies in tests/stock_loop_cases.py (their docstring lists the shapes). Wha
   stock run's. The GLUE shape (another head) predicts on one process from the saved model
   what the gathered predictions said.
 - ZeroTrainer with ``torch_compile`` (stage 3) trains the model compiled after sharding,
-  with losses within twice DDP's own compile deviation; ``--bf16`` saves fp32 masters and
-  a config that says float32.
+  with losses within twice DDP's own compile deviation. (``--bf16``'s saved model:
+  tests/test_hf_trainer.py.)
 """
 
 from __future__ import annotations
@@ -40,9 +40,15 @@ EPOCH_RESUMES = [(1, "no"), (3, "bf16")]
 
 def _all_loops(out: str) -> dict[str, Any]:
     """Every Accelerate case in one launch (AcceleratorState is reset between them)."""
+    import logging
+
     from accelerate.state import AcceleratorState
 
-    results: dict[str, Any] = {}
+    results: dict[str, Any] = {"log": []}
+    handler = logging.Handler(logging.INFO)
+    handler.emit = lambda record: results["log"].append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("zerolite").addHandler(handler)
+    logging.getLogger("zerolite").setLevel(logging.INFO)  # as the scripts' basicConfig(INFO)
 
     def run(key: str, *args: Any, **kwargs: Any) -> None:
         AcceleratorState._reset_state(reset_partial_state=False)
@@ -63,7 +69,8 @@ def _all_loops(out: str) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def loops(tmp_path_factory) -> tuple[Path, dict[str, Any]]:
     out = tmp_path_factory.mktemp("stock_loops")
-    return out, run_ranks(_all_loops, 2, str(out), timeout=400)[0]
+    rank0, rank1 = run_ranks(_all_loops, 2, str(out), timeout=400)
+    return out, {**rank0, "log_rank1": rank1["log"]}
 
 
 @pytest.mark.parametrize(("stage", "precision"), CONFIGS)
@@ -109,6 +116,16 @@ def test_resume_from_epoch_folder_ends_bitwise_where_the_whole_run_ends(loops, s
     for name, tensor in whole["get_state_dict"].items():
         assert torch.equal(resumed["get_state_dict"][name], tensor), name
     assert resumed["eval_loss"] == whole["eval_loss"]
+
+
+def test_each_prepare_logs_one_line_on_the_main_process(loops):
+    _, results = loops
+    log, runs = results["log"], [k for k in results if not k.startswith("log")]
+    assert len(log) == len(runs) and results["log_rank1"] == [], log
+    first = log[0]  # stage 1, fp32; then stage 1 in bf16
+    assert first.startswith("zerolite: stage 1 over 2 ranks, fp32, partition flat"), first
+    assert "rank 0 holds" in first and "MiB" in first
+    assert any("bfloat16 parameters with fp32 masters" in line for line in log)
 
 
 @pytest.mark.parametrize(("stage", "precision"), CONFIGS)
@@ -158,12 +175,3 @@ def test_zero_trainer_compiles_after_sharding(trainer):
     assert len(trainer["zero_compiled"]) == len(trainer["ddp_compiled"]) == 3
     for zero, ddp in zip(trainer["zero_compiled"], trainer["ddp_compiled"]):
         assert abs(zero - ddp) <= bound, (trainer["zero_compiled"], trainer["ddp_compiled"])
-
-
-def test_zero_trainer_bf16_saves_fp32_masters_and_says_so(trainer):
-    assert trainer["bf16_param_dtypes"] == ["torch.bfloat16"]
-    assert json.loads(trainer["bf16_config"])["dtype"] == "float32"
-    loaded = trainer["bf16_loaded"]
-    assert loaded["dtype"] == "torch.float32"
-    for name, master in trainer["bf16_masters"].items():
-        assert torch.equal(loaded["state"][name], master), name

@@ -4,9 +4,10 @@ Stage 3 keeps only shards between uses. These gather on request -- all units at 
 inside `gathered_parameters` (for inspection, custom initialisation, or an edit made on
 one rank and broadcast), or one unit at a time in `iter_full_state_dict` (streaming a
 full state dict with a peak of one unit) and `full_state_dict` (the unsharded
-``model.state_dict()``, which stage 3 refuses, copied out unit by unit, so the device never
-holds more than one extra unit). In stages 1-2 parameters are always full and all three
-are cheap.
+``model.state_dict()`` copied out unit by unit, so the device never holds more than one
+extra unit; at stage 3 ``model.state_dict()`` itself gathers the same way,
+`zerolite.params.state_dict_hooks`). In stages 1-2 parameters are always full and all
+three are cheap.
 
 With ``masters=True`` the trained parameters come from the fp32 masters instead of the
 16-bit compute copy: each trained flat buffer's master shards are all-gathered, exactly

@@ -255,9 +255,11 @@ class StateFolderMethods:
         """
         self._finish_pending_save()
         target = self._checkpoint_dir(output_dir, overwrite)
+        # Every rank has checked the target (an automatic checkpoint_N must not exist yet)
+        # before rank 0 creates it, and rank 0 has pruned old checkpoints.
+        self.wait_for_everyone()
         if self.is_main_process:  # the marker first: from now on the folder is this run's
             self._zero_runs.claim(target)
-        # rank 0 has pruned old checkpoints before anyone creates the new one
         self.wait_for_everyone()
         target.mkdir(parents=True, exist_ok=True)
         schedulers = [getattr(s, "scheduler", s) for s in self._schedulers]
