@@ -14,8 +14,7 @@ it down here when it is imported (`provide_shard`), before any of them can run.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 import torch

@@ -30,6 +30,8 @@ import torch
 import torch.distributed as dist
 from torch.futures import Future
 
+from zerolite.comm import runtime
+
 __all__ = ["BACKEND", "SimulatedProcessGroup", "SimulatedWorld", "simulated_world"]
 
 BACKEND = "zerolite_simulated"  # the name the backend is registered under
@@ -177,7 +179,7 @@ def _create(store: Any, rank: int, size: int, timeout: Any) -> SimulatedProcessG
 
 def _register() -> None:
     if BACKEND not in dist.Backend.backend_list:
-        dist.Backend.register_backend(BACKEND, _create, devices=["cpu", "cuda"])
+        dist.Backend.register_backend(BACKEND, _create, devices=["cpu", runtime.GPU_TYPE])
 
 
 @contextlib.contextmanager

@@ -63,6 +63,13 @@ def _zero_of(func: Any) -> Any:
     return {"bool": False, "int": 0, "float": 0.0}.get(returns, 0)
 
 
+def _zero_of_dtype(dtype: torch.dtype) -> bool | float | int:
+    """What ``.item()`` of a fake tensor of ``dtype`` gives."""
+    if dtype == torch.bool:
+        return False
+    return 0.0 if dtype.is_floating_point else 0
+
+
 class _LedgerMode(FakeTensorMode):
     """``FakeTensorMode`` that keeps small integer tensors real and reports outputs."""
 
@@ -92,7 +99,7 @@ class _LedgerMode(FakeTensorMode):
         if func is _aten._local_scalar_dense.default and (
             isinstance(first, FakeTensor) and first.constant is None
         ):
-            return False if first.dtype == torch.bool else 0.0 if first.dtype.is_floating_point else 0
+            return _zero_of_dtype(first.dtype)
         try:
             return super().__torch_dispatch__(func, types, args, kwargs)
         except DataDependentOutputException:

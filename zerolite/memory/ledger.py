@@ -128,6 +128,10 @@ class StorageLedger:
         self._serial_of: dict[int, int] = {}  # storage._cdata -> serial, while alive
         self._rule_of: dict[CodeType, str | None] = {}
 
+    def enter(self, phase: str) -> None:
+        """The simulated step enters ``phase`` (``"forward"``, ``"backward"``, ``"step"``)."""
+        self.phase = phase
+
     # -- what fake_step reports --------------------------------------------------------
     def saw(self, tensor: torch.Tensor) -> None:
         """``tensor`` came out of an operation: count its storage if it is new."""

@@ -94,7 +94,9 @@ class LiveTensorBytes(TorchDispatchMode):
 
     def __enter__(self) -> LiveTensorBytes:
         for obj in gc.get_objects():
-            if isinstance(obj, torch.Tensor):
+            # type(), not isinstance(): isinstance reads __class__, which some deprecated
+            # module objects answer with a warning.
+            if issubclass(type(obj), torch.Tensor):
                 self._add(obj)
         self.reset_peak()
         resize, tracker = self._resize, self

@@ -25,57 +25,27 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.utils._pytree import tree_leaves
 
-from zerolite import phase_events
+from zerolite.comm import runtime
 from zerolite.comm.simulated import simulated_world
 from zerolite.config import ZeroConfig
 from zerolite.memory.activations import checkpoint_blocks
 from zerolite.memory.fake_step import fake_step
 from zerolite.memory.ledger import PHASES, StorageLedger
+from zerolite.memory.loop import OptimizerChoice, build_sharded, train_step
 from zerolite.memory.prediction import PeakPrediction
 from zerolite.optim.sharded_optimizer import ShardedOptimizer
-from zerolite.plan.optimizers import NAMED, build_named
+from zerolite.plan.optimizers import NAMED
 
-__all__ = ["call_model", "loss_of", "predict_peak"]
+__all__ = ["predict_peak"]
 
 STEPS = 2  # optimizer steps simulated: the second is the steady state
-_CUDA_GRANULARITY = 512  # bytes: the CUDA caching allocator's rounding
-
-OptimizerChoice = str | Callable[[nn.Module], torch.optim.Optimizer | Sequence[Any]]
-
-
-def call_model(model: nn.Module, batch: Any) -> Any:
-    """``model(**batch)`` for a mapping, ``model(*batch)`` for a tuple or list, else
-    ``model(batch)``."""
-    if isinstance(batch, Mapping):
-        return model(**batch)
-    if isinstance(batch, (tuple, list)):
-        return model(*batch)
-    return model(batch)
-
-
-def loss_of(output: Any) -> torch.Tensor:
-    """The loss in a model's output: the output itself (a 0-dim tensor), its ``.loss`` or
-    its ``["loss"]``.
-
-    Raises:
-        TypeError: none of those is a 0-dim tensor.
-    """
-    for candidate in (output, getattr(output, "loss", None),
-                      output.get("loss") if isinstance(output, Mapping) else None):
-        if isinstance(candidate, torch.Tensor) and candidate.dim() == 0:
-            return candidate
-    raise TypeError(
-        f"the model returned {type(output).__name__}; predict_peak() needs the loss: a 0-dim "
-        "tensor, or an output with .loss (pass labels in the batch)"
-    )
 
 
 def predict_peak(
@@ -129,7 +99,7 @@ def predict_peak(
            optimizer)
     ledger = StorageLedger(
         device, arena_resident=config.offload == "host" and device == "cpu",
-        granularity=_CUDA_GRANULARITY if device == "cuda" else 1,
+        granularity=runtime.allocation_granularity(device),
     )
     started = time.perf_counter()
     with simulated_world(rank, world_size) as world, fake_step(ledger):
@@ -141,11 +111,11 @@ def predict_peak(
         if activation_checkpointing:
             checkpoint_blocks(model)
         model.train()
-        opt = _shard(model, optimizer, _simulated(config, device))
+        opt = build_sharded(model, optimizer, _simulated(config, device))
         for _ in range(STEPS):
             sent = world.sent
-            _train_step(model, opt, batch_fn, ledger, micro_batch, accumulation, max_grad_norm,
-                        device)
+            train_step(model, opt, batch_fn, micro_batch, accumulation, max_grad_norm, device,
+                       on_phase=ledger.enter)
         sent = world.sent - sent
         _name_survivors(ledger, opt)
         tier = opt.shard_state.offload
@@ -153,64 +123,6 @@ def predict_peak(
     return _prediction(ledger, config, sent, offloaded, world_size, rank, micro_batch,
                        accumulation, activation_checkpointing, device,
                        time.perf_counter() - started)
-
-
-def _train_step(
-    model: nn.Module, opt: ShardedOptimizer, batch_fn: Callable[[int], Any],
-    ledger: StorageLedger, micro_batch: int, accumulation: int, max_grad_norm: float | None,
-    device: str,
-) -> None:
-    """One optimizer step of the module docstring's loop, its phases told to the ledger where
-    `zerolite.memory.track` sees them begin: forward when the model is called, backward when
-    a gradient reaches the model's outputs, step at ``step()`` (the batch is made in the
-    phase before; the gradients' reduction and clipping are backward's)."""
-
-    def backward_begins(grad: torch.Tensor) -> None:
-        ledger.phase = "backward"
-
-    for _ in range(accumulation):
-        batch = _on(batch_fn(micro_batch), device)
-        ledger.phase = "forward"
-        output = call_model(model, batch)
-        del batch
-        _when_gradient_reaches(output, backward_begins)
-        loss = loss_of(output)
-        del output  # what the model returned (a transformers cache too) lives no longer
-        (loss / accumulation).backward()
-    if max_grad_norm is not None:
-        opt.clip_grad_norm_(max_grad_norm)
-    ledger.phase = "step"
-    opt.step()
-    opt.zero_grad()
-
-
-def _when_gradient_reaches(output: Any, hook: Callable[[torch.Tensor], None]) -> None:
-    """Run ``hook`` when backward reaches any tensor of ``output`` (a function of its own:
-    no name here outlives it to keep a part of the output alive)."""
-    for t in tree_leaves(output):
-        if isinstance(t, torch.Tensor) and t.requires_grad:
-            t.register_hook(hook)
-
-
-def _on(batch: Any, device: str) -> Any:
-    """The batch's tensors on ``device`` (`batch_fn` may make them on the CPU)."""
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device)
-    if isinstance(batch, Mapping):
-        return {k: _on(v, device) for k, v in batch.items()}
-    if isinstance(batch, (tuple, list)):
-        return type(batch)(_on(v, device) for v in batch)
-    return batch
-
-
-def _shard(model: nn.Module, optimizer: OptimizerChoice, config: ZeroConfig) -> ShardedOptimizer:
-    if isinstance(optimizer, str):
-        opt: Any = build_named(optimizer, list(model.parameters()))
-    else:
-        opt = optimizer(model)
-    # `zerolite.shard` is a public face above this layer: it is passed down (docs/design.md,
-    # "Layers"), by zerolite.zero when it is imported.
-    return phase_events.shard_function()(model, opt, config)
 
 
 def _simulated(config: ZeroConfig, device: str) -> ZeroConfig:
@@ -225,7 +137,8 @@ def _simulated(config: ZeroConfig, device: str) -> ZeroConfig:
     disk = config.offload == "disk"
     return dataclasses.replace(
         config, process_group=None, collectives=collectives, shard_group_size=k,
-        offload="host" if disk else config.offload, offload_dir=None if disk else config.offload_dir,
+        offload="host" if disk else config.offload,
+        offload_dir=None if disk else config.offload_dir,
         device=torch.device(device) if config.device is None else config.device,
     )
 
@@ -286,8 +199,10 @@ def _check(
         _positive_int(name, value)
     if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:  # type: ignore[operator]
         raise ValueError(f"predict_peak(): rank must be in range({world_size}), got {rank!r}")
-    if device not in ("cpu", "cuda"):
-        raise ValueError(f"predict_peak(): device must be 'cpu' or 'cuda', got {device!r}")
+    if device not in ("cpu", runtime.GPU_TYPE):
+        raise ValueError(
+            f"predict_peak(): device must be 'cpu' or {runtime.GPU_TYPE!r}, got {device!r}"
+        )
     if isinstance(optimizer, str) and optimizer not in NAMED:
         raise ValueError(
             f"predict_peak(): optimizer {optimizer!r} is not one of {sorted(NAMED)}; or pass "

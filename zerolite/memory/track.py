@@ -18,7 +18,8 @@ optimizer watches those and attaches to the optimizer ``shard()`` returns inside
   missed. ``t.peak`` is the largest over forward, backward and step, what
   `zerolite.memory.predict_peak` predicts and `assert_peak` compares with it
   (``track(opt, tensors=False)`` leaves it out: the dispatch mode costs some time per
-  operation). Backward begins when the gradient reaches the model's outputs;
+  operation, and its bookkeeping -- an entry per live storage -- is in ``process`` on the
+  CPU, a few MB for a small model). Backward begins when the gradient reaches the model's outputs;
 - ``t.peaks[phase].process``: what ``t.peaks[phase].kind`` says, decided when the phase
   begins from the device of the tracked model's flat buffers (`zerolite.comm.devices`), never
   from whether CUDA happens to be initialised:
@@ -67,21 +68,30 @@ from zerolite.memory.footprint import footprint, offload_label
 from zerolite.memory.live import LiveTensorBytes
 from zerolite.optim.sharded_optimizer import ShardedOptimizer, require_sharded_optimizer
 
-__all__ = ["track", "PhasePeak", "MemoryTracker", "latest_tracker"]
+__all__ = ["track", "PhasePeak", "MemoryTracker", "latest_peaks", "step_peak"]
 
 PHASES = ("build", "load", "forward", "backward", "step", "staging")
 STEP_PHASES = ("forward", "backward", "step")  # a training step: what `MemoryTracker.peak` spans
 
-# The tracker that last attached to each optimizer (for `assert_peak`), held weakly.
+# The peaks of the latest track() block that tracked each optimizer (for `assert_peak`),
+# keyed weakly. The value must not reference the optimizer (a tracker does): a weak key
+# its own value holds is never freed.
 _latest: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def latest_tracker(opt: object) -> MemoryTracker | None:
-    """The `MemoryTracker` of the latest ``track()`` block that tracked ``opt``, or None."""
+def latest_peaks(opt: object) -> dict[str, PhasePeak] | None:
+    """The `PhasePeak`s (by phase) of the latest ``track()`` block that tracked ``opt``, or
+    None if none did."""
     try:
         return _latest.get(opt)
     except TypeError:  # not weakly referenceable: never tracked
         return None
+
+
+def step_peak(peaks: dict[str, PhasePeak]) -> tuple[int, str]:
+    """The peak of live tensor bytes over a training step's phases, and the phase."""
+    phase = max(STEP_PHASES, key=lambda p: peaks[p].tensors)
+    return peaks[phase].tensors, phase
 
 
 class _ResidentPeak:
@@ -151,7 +161,7 @@ class MemoryTracker:
         """Attribute ``opt``'s model's forwards and backwards and ``opt``'s steps."""
         require_sharded_optimizer(opt, "track()")
         self.opt = opt
-        _latest[opt] = self
+        _latest[opt] = self.peaks
         self.device = opt.group.buffer_device
         model = opt.model
         hooks = self._handles
@@ -249,12 +259,12 @@ class MemoryTracker:
     def peak(self) -> int:
         """The peak of live tensor bytes over the training phases (forward, backward,
         step); 0 when tensors are not measured."""
-        return max(self.peaks[p].tensors for p in STEP_PHASES)
+        return step_peak(self.peaks)[0]
 
     @property
     def peak_phase(self) -> str:
         """The training phase where `peak` was reached."""
-        return max(STEP_PHASES, key=lambda p: self.peaks[p].tensors)
+        return step_peak(self.peaks)[1]
 
     @property
     def offloaded(self) -> int:
