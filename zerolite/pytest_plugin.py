@@ -13,7 +13,8 @@ Fixtures:
   `zerolite.memory.predict_peak` result, or bytes recorded as a baseline).
 - ``zerolite_ranks``: `zerolite.testing.run_ranks`, for tests on real process groups.
 
-``assert_peak`` and ``assert_footprint`` can also be imported from here.
+The functions behind the fixtures are `zerolite.testing.assert_footprint` and
+`zerolite.testing.assert_peak`.
 """
 
 from __future__ import annotations
@@ -33,8 +34,7 @@ def zerolite_footprint() -> Callable:
     return assert_footprint
 
 
-__all__ = ["assert_footprint", "assert_peak", "zerolite_footprint", "zerolite_peak",
-           "zerolite_ranks"]
+__all__ = ["zerolite_footprint", "zerolite_peak", "zerolite_ranks"]
 
 
 @pytest.fixture

@@ -47,6 +47,7 @@ CATEGORIES: dict[str, str] = {
     "inputs": "the batch",
     "other": "anything else",
 }
+"""The categories of `PeakPrediction.breakdown`: name -> what its bytes are."""
 
 # The phases of a training step, in order; "build" (making the model and shard()) is logged
 # too but is not part of a step.

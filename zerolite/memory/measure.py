@@ -45,8 +45,11 @@ def measure_peak(
         model_fn: ``() -> nn.Module``, called once; build the model where it trains.
         batch_fn: ``(micro_batch) -> batch`` (see `predict_peak`).
         config: the `ZeroConfig` to shard with.
-        micro_batch, accumulation, activation_checkpointing, optimizer, max_grad_norm:
-            as for `predict_peak`.
+        micro_batch: samples per forward.
+        accumulation: forwards per optimizer step.
+        activation_checkpointing: apply `checkpoint_blocks` first.
+        optimizer: a name or ``(model) -> optimizer``, as for `predict_peak`.
+        max_grad_norm: `clip_grad_norm_` before each step; None: no clipping.
         steps: optimizer steps to run, >= 2.
     Returns:
         The `MemoryTracker` of the last step: ``.peak`` is its peak of live tensor bytes,

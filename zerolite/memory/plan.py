@@ -125,10 +125,15 @@ def plan(
         world_size: N, the data-parallel ranks.
         memory: the budget per rank, bytes (of ``device``).
         batch: samples per rank per optimizer step; micro-batch x accumulation.
-        stages, param_dtypes, offloads, checkpointing: the values searched.
+        stages: the stages searched.
+        param_dtypes: the parameter dtypes searched.
+        offloads: the offload tiers searched (None: no offload).
+        checkpointing: the activation checkpointing settings searched.
         base: other `ZeroConfig` settings every configuration keeps.
         offload_dir: the directory of a disk tier (default: the system's temporary one).
-        optimizer, max_grad_norm, device: as for `predict_peak`.
+        optimizer: as for `predict_peak`.
+        max_grad_norm: as for `predict_peak`.
+        device: as for `predict_peak`; ``memory`` is of this device.
     Returns:
         `PlanEntry`s; ``entries[0]`` is the one to use when ``entries[0].fits``.
     Raises:
