@@ -13,7 +13,6 @@ import pytest
 import torch
 
 import zerolite
-
 from tests.peak_cases import MODELS, case_kwargs, measure_cases
 from zerolite.memory import CATEGORIES, measure_peak, predict_peak, track
 from zerolite.memory.loop import train_step
