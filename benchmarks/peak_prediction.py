@@ -8,7 +8,10 @@ activation checkpointing off and on, it predicts rank 0's peak with
 `zerolite.memory.predict_peak` (fake tensors, one simulated rank) and measures it with
 `zerolite.memory.measure_peak` (a real step on a real gloo group of that many ranks, live
 tensor bytes through ``track()``), and prints one markdown row per case and a summary.
-``--llama-7b`` then times the prediction for a 7B Llama (bf16, stage 3, 8 ranks,
+``--budgets`` asks `zerolite.memory.plan` for three budgets per rank (4 ranks, a GPT
+whose model states dominate) whose cheapest answers are stage 1, stage 3 and stage 3 with
+a disk tier, then trains each pick on 4 real ranks and measures its peak against the
+budget. ``--llama-7b`` then times the prediction for a 7B Llama (bf16, stage 3, 8 ranks,
 sequence 2048, activation checkpointing), whose tensors are never allocated.
 """
 
@@ -28,8 +31,9 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import zerolite  # noqa: E402
+from examples.gpt import GPT, GPTConfig  # noqa: E402
 from tests.peak_cases import MODELS, case_kwargs, measure_cases  # noqa: E402
-from zerolite.memory import predict_peak  # noqa: E402
+from zerolite.memory import measure_peak, plan, predict_peak  # noqa: E402
 from zerolite.testing import run_ranks  # noqa: E402
 
 
@@ -61,6 +65,38 @@ def _table(world_sizes: list[int]) -> None:
           f"exact in {sum(e == 0 for e in errors)}")
 
 
+BUDGET_GPT = GPTConfig(vocab_size=8192, seq_len=8, n_layer=4, n_head=4, d_model=256)
+BUDGETS_MB = (80, 69, 65)
+
+
+def _budget_gpt() -> torch.nn.Module:
+    return GPT(BUDGET_GPT)
+
+
+def _budget_batch(micro_batch: int) -> dict:
+    idx = torch.zeros(micro_batch, BUDGET_GPT.seq_len, dtype=torch.long)
+    return {"idx": idx, "targets": idx}
+
+
+def _train_pick(config: dict) -> int:
+    return measure_peak(_budget_gpt, _budget_batch, zerolite.ZeroConfig(**config)).peak
+
+
+def _budgets() -> None:
+    print("\n| budget per rank | plan's pick | predicted | measured (4 ranks, rank max) |")
+    print("|---|---|---|---|")
+    for mb in BUDGETS_MB:
+        entries = plan(_budget_gpt, _budget_batch, 4, mb * 10**6, 1, stages=(1, 3),
+                       param_dtypes=(torch.float32,), offloads=(None, "disk"),
+                       checkpointing=(False,))
+        pick = entries[0]
+        measured = max(run_ranks(_train_pick, 4, pick.config, timeout=1800))
+        what = f"stage {pick.config['stage']}" + (
+            f" + {pick.config['offload']}" if pick.config.get("offload") else "")
+        print(f"| {mb} MB | {what} | {pick.peak_bytes / 1e6:.2f} MB | "
+              f"{measured / 1e6:.2f} MB |", flush=True)
+
+
 def _llama_7b() -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -89,10 +125,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--world-sizes", default="1,2,4")
     parser.add_argument("--llama-7b", action="store_true")
+    parser.add_argument("--budgets", action="store_true")
     parser.add_argument("--no-table", action="store_true")
     args = parser.parse_args()
     if not args.no_table:
         _table([int(n) for n in args.world_sizes.split(",")])
+    if args.budgets:
+        _budgets()
     if args.llama_7b:
         _llama_7b()
 
