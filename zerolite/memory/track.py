@@ -19,7 +19,8 @@ optimizer watches those and attaches to the optimizer ``shard()`` returns inside
   `zerolite.memory.predict_peak` predicts and `assert_peak` compares with it
   (``track(opt, tensors=False)`` leaves it out: the dispatch mode costs some time per
   operation, and its bookkeeping -- an entry per live storage -- is in ``process`` on the
-  CPU, a few MB for a small model). Backward begins when the gradient reaches the model's outputs;
+  CPU, a few MB for a small model). Backward begins when a gradient reaches the model's
+  outputs, so a loss computed outside the model belongs to forward;
 - ``t.peaks[phase].process``: what ``t.peaks[phase].kind`` says, decided when the phase
   begins from the device of the tracked model's flat buffers (`zerolite.comm.devices`), never
   from whether CUDA happens to be initialised:
