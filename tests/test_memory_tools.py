@@ -187,7 +187,9 @@ def _track_case(stage: int, plant: bool) -> dict:
         opt.step()
         opt.zero_grad()
         planted.clear()
-    with track(opt) as tracker:
+    # RSS to the megabyte: without the live-tensor mode, whose own bookkeeping (an entry
+    # and a weak reference per live storage) is process memory too, a few MB here.
+    with track(opt, tensors=False) as tracker:
         model(x, y).backward()
         planted.clear()  # freed before the step
         opt.step()

@@ -27,6 +27,10 @@ _SUBCOMMANDS: dict[str, tuple[str, str]] = {
         "zerolite.memory.commands",
         "per-rank memory of every stage (the ZeRO formulas, or exact for a model)",
     ),
+    "plan": (
+        "zerolite.memory.plan_commands",
+        "the configurations whose predicted peak fits a memory budget, cheapest first",
+    ),
     "consolidate": (
         "zerolite.checkpoint.commands",
         "write a checkpoint as one plain safetensors file",

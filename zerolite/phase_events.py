@@ -5,17 +5,21 @@ Forward, backward and step are visible to hooks on the model and optimizer. Buil
 (`zerolite.checkpoint.load`, `zerolite.checkpoint.load_pretrained`) are not, so they
 announce themselves here, and sample memory at the points where it peaks (after each
 unit is initialised). With no tracker active every call is a loop over an empty list.
+
+The memory tools also run `zerolite.shard` itself, in a simulated world
+(`zerolite.memory.predict_peak`); it is a public face above them, so `zerolite.zero` passes
+it down here when it is imported (`provide_shard`), before any of them can run.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 import torch
 
-__all__ = ["Observer", "built", "observe", "phase", "sample"]
+__all__ = ["Observer", "built", "observe", "phase", "provide_shard", "sample", "shard_function"]
 
 
 class Observer(Protocol):
@@ -61,3 +65,19 @@ def built(opt: Any) -> None:
     """`shard()` returned ``opt`` (a ShardedOptimizer): trackers may hook its model."""
     for observer in list(_observers):
         observer.built(opt)
+
+
+_shard: Callable[..., Any] | None = None
+
+
+def provide_shard(shard: Callable[..., Any]) -> None:
+    """Called once by `zerolite.zero` with `zerolite.shard`."""
+    global _shard
+    _shard = shard
+
+
+def shard_function() -> Callable[..., Any]:
+    """`zerolite.shard` (passed down by `zerolite.zero`, always imported with zerolite)."""
+    if _shard is None:
+        raise RuntimeError("zerolite.shard is not available: import zerolite")
+    return _shard

@@ -35,7 +35,10 @@ from multiprocessing import reduction
 from multiprocessing.connection import Connection, wait
 from typing import Any, TypeVar
 
-__all__ = ["FootprintMismatch", "RankFailure", "RankTimeout", "assert_footprint", "run_ranks"]
+__all__ = [
+    "FootprintMismatch", "PeakMismatch", "RankFailure", "RankTimeout", "assert_footprint",
+    "assert_peak", "run_ranks",
+]
 
 _T = TypeVar("_T")
 logger = logging.getLogger(__name__)
@@ -341,4 +344,9 @@ def _kill(procs: list[Any]) -> None:
 
 
 # Re-exported here: users' memory-footprint regression tests import it with run_ranks.
-from zerolite.memory.assertions import FootprintMismatch, assert_footprint  # noqa: E402
+from zerolite.memory.assertions import (  # noqa: E402
+    FootprintMismatch,
+    PeakMismatch,
+    assert_footprint,
+    assert_peak,
+)

@@ -127,6 +127,9 @@ def shard(
     return sharded
 
 
+phase_events.provide_shard(shard)  # for the memory tools' simulations, below this layer
+
+
 def _world(model: object, optimizer: object, config: ZeroConfig) -> Group:
     """Every data-parallel rank, with the device its flat buffers will live on. That device
     decides where the ranks' agreement travels, so it is decided first; a group that cannot

@@ -191,6 +191,13 @@ def max_memory_allocated(device: torch.device) -> int:
     return int(_call("max_memory_allocated", device.type, "max_memory_allocated", device))
 
 
+def allocation_granularity(device_type: str) -> int:
+    """Bytes a storage's size is rounded up to by ``device_type``'s allocator: 512 for
+    CUDA's caching allocator (its smallest block), 1 elsewhere (the CPU's allocator is
+    not modelled: a storage counts its own bytes)."""
+    return 512 if device_type == GPU_TYPE else 1
+
+
 # ----------------------------------------------------------------------- page-locked host memory
 
 

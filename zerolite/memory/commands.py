@@ -12,6 +12,8 @@ import math
 import os
 import sys
 import tempfile
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -76,32 +78,42 @@ def _gb(n: int) -> str:
     return f"{n / 1e9:.3g}"
 
 
-def _build_model(spec: str) -> nn.Module:
-    """The model ``module:function`` returns, built on the meta device.
+def load_function(spec: str, flag: str) -> Callable[..., Any]:
+    """The function ``module:function`` names (``flag`` is the option, for messages).
 
     Raises:
         ValueError: naming ``spec`` and what went wrong (one line, no traceback).
     """
     module_name, _, function_name = spec.partition(":")
     if not module_name or not function_name:
-        raise ValueError(f"--model {spec!r}: expected MODULE:FUNCTION, a Python function "
-                         "returning an nn.Module (e.g. examples.gpt:GPT); hub model ids are not "
-                         "downloaded")
+        raise ValueError(f"{flag} {spec!r}: expected MODULE:FUNCTION, a Python function "
+                         "(e.g. examples.gpt:GPT); hub model ids are not downloaded")
     sys.path.insert(0, os.getcwd())  # as `python -m` would: the user's own modules
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
-        raise ValueError(f"--model {spec!r}: cannot import {module_name!r} ({exc})") from None
+        raise ValueError(f"{flag} {spec!r}: cannot import {module_name!r} ({exc})") from None
     except Exception as exc:  # noqa: BLE001 - the user's module: any failure is one line
-        raise ValueError(f"--model {spec!r}: importing {module_name!r} raised "
+        raise ValueError(f"{flag} {spec!r}: importing {module_name!r} raised "
                          f"{type(exc).__name__}: {exc}") from None
-    function = module
+    function: Any = module
     for attr in function_name.split("."):
         function = getattr(function, attr, None)
     if not callable(function):  # a bad command-line value: ValueError, as for every argument
         raise ValueError(  # noqa: TRY004
-            f"--model {spec!r}: module {module_name!r} has no function {function_name!r}"
+            f"{flag} {spec!r}: module {module_name!r} has no function {function_name!r}"
         )
+    return function
+
+
+def _build_model(spec: str) -> nn.Module:
+    """The model ``module:function`` returns, built on the meta device.
+
+    Raises:
+        ValueError: naming ``spec`` and what went wrong (one line, no traceback).
+    """
+    function = load_function(spec, "--model")
+    function_name = spec.partition(":")[2]
     try:
         with torch.device("meta"):  # shapes are all the estimate needs: no memory, no init
             model = function()

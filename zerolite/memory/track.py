@@ -11,6 +11,16 @@ optimizer watches those and attaches to the optimizer ``shard()`` returns inside
   points (module forward pre/post-hooks, gradient hooks, around ``step()``, after each
   unit of a build and after a load), i.e. bytes of parameters, gradients, masters,
   optimizer state and transient buffers zerolite knows of;
+- ``t.peaks[phase].tensors``: the peak of live tensor bytes on the tracked model's device
+  type during the phase (`zerolite.memory.live`): every tensor storage of the process --
+  parameters, gradients, optimizer state, zerolite's buffers and the activations autograd
+  keeps -- counted as operations make them and free them, so nothing between two hooks is
+  missed. ``t.peak`` is the largest over forward, backward and step, what
+  `zerolite.memory.predict_peak` predicts and `assert_peak` compares with it
+  (``track(opt, tensors=False)`` leaves it out: the dispatch mode costs some time per
+  operation, and its bookkeeping -- an entry per live storage -- is in ``process`` on the
+  CPU, a few MB for a small model). Backward begins when a gradient reaches the model's
+  outputs, so a loss computed outside the model belongs to forward;
 - ``t.peaks[phase].process``: what ``t.peaks[phase].kind`` says, decided when the phase
   begins from the device of the tracked model's flat buffers (`zerolite.comm.devices`), never
   from whether CUDA happens to be initialised:
@@ -43,22 +53,46 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import re
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import psutil
 import torch
+from torch.utils._pytree import tree_leaves
 
 from zerolite import phase_events
 from zerolite.checkpoint.staging import staging_bytes
 from zerolite.comm import runtime
 from zerolite.memory.footprint import footprint, offload_label
+from zerolite.memory.live import LiveTensorBytes
 from zerolite.optim.sharded_optimizer import ShardedOptimizer, require_sharded_optimizer
 
-__all__ = ["track", "PhasePeak", "MemoryTracker"]
+__all__ = ["track", "PhasePeak", "MemoryTracker", "latest_peaks", "step_peak"]
 
 PHASES = ("build", "load", "forward", "backward", "step", "staging")
+STEP_PHASES = ("forward", "backward", "step")  # a training step: what `MemoryTracker.peak` spans
+
+# The peaks of the latest track() block that tracked each optimizer (for `assert_peak`),
+# keyed weakly. The value must not reference the optimizer (a tracker does): a weak key
+# its own value holds is never freed.
+_latest: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def latest_peaks(opt: object) -> dict[str, PhasePeak] | None:
+    """The `PhasePeak`s (by phase) of the latest ``track()`` block that tracked ``opt``, or
+    None if none did."""
+    try:
+        return _latest.get(opt)
+    except TypeError:  # not weakly referenceable: never tracked
+        return None
+
+
+def step_peak(peaks: dict[str, PhasePeak]) -> tuple[int, str]:
+    """The peak of live tensor bytes over a training step's phases, and the phase."""
+    phase = max(STEP_PHASES, key=lambda p: peaks[p].tensors)
+    return peaks[phase].tensors, phase
 
 
 class _ResidentPeak:
@@ -94,19 +128,23 @@ CUDA_PEAK = "CUDA peak allocated"
 
 @dataclasses.dataclass
 class PhasePeak:
-    """Peak bytes in one phase: zerolite's tensors, and the process (``kind``: RSS growth,
-    or CUDA peak allocated on the model's device)."""
+    """Peak bytes in one phase: zerolite's tensors, the process (``kind``: RSS growth, or
+    CUDA peak allocated on the model's device), and every live tensor storage on the
+    model's device type (``tensors``: 0 when not measured)."""
 
     zerolite: int = 0
     process: int = 0
     kind: str = RSS_GROWTH
+    tensors: int = 0
 
 
 class MemoryTracker:
     """Collects `PhasePeak`s; see `track`."""
 
-    def __init__(self, opt: ShardedOptimizer | None) -> None:
+    def __init__(self, opt: ShardedOptimizer | None, *, tensors: bool = True) -> None:
         self.opt: ShardedOptimizer | None = None
+        # Live tensor bytes (`zerolite.memory.live`), entered by `track`; None: not measured.
+        self.live: LiveTensorBytes | None = LiveTensorBytes() if tensors else None
         self.peaks = {phase: PhasePeak() for phase in PHASES}
         self.phase: str | None = None
         self.staging = 0  # bytes of checkpoint staging areas (host), the most seen
@@ -124,18 +162,22 @@ class MemoryTracker:
         """Attribute ``opt``'s model's forwards and backwards and ``opt``'s steps."""
         require_sharded_optimizer(opt, "track()")
         self.opt = opt
+        _latest[opt] = self.peaks
         self.device = opt.group.buffer_device
         model = opt.model
         hooks = self._handles
         if model is not None:
             # Forwards recomputed inside backward (activation checkpointing) stay in backward.
+            # First among the model's hooks: stage 3's gather of the root unit is forward.
             hooks.append(
                 model.register_forward_pre_hook(
                     lambda *a: (
                         None if torch._C._current_graph_task_id() != -1 else self.enter("forward")
-                    )
+                    ),
+                    prepend=True,
                 )
             )
+            hooks.append(model.register_forward_hook(self._watch_outputs))
             for module in model.modules():
                 hooks.append(module.register_forward_pre_hook(lambda *a: self.sample()))
                 hooks.append(module.register_forward_hook(lambda *a: self.sample()))
@@ -144,6 +186,15 @@ class MemoryTracker:
                     hooks.append(p.register_post_accumulate_grad_hook(self.on_gradient))
         hooks.append(opt.register_step_pre_hook(lambda *a: self.enter("step")))
         hooks.append(opt.register_step_post_hook(lambda *a: self.sample()))
+
+    def _watch_outputs(self, module: torch.nn.Module, args: object, output: object) -> None:
+        """Backward begins when a gradient reaches the model's outputs."""
+        for t in tree_leaves(output):
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                t.register_hook(self._backward_begins)
+
+    def _backward_begins(self, grad: torch.Tensor) -> None:
+        self.enter("backward")
 
     def built(self, opt: ShardedOptimizer) -> None:
         if self.opt is None:
@@ -170,6 +221,8 @@ class MemoryTracker:
             self._resident.reset()
         self.phase = phase
         self.peaks[phase].kind = CUDA_PEAK if self._phase_device is not None else RSS_GROWTH
+        if self.live is not None:
+            self.live.reset_peak()
         self.sample()
 
     def sample(self, held_bytes: int | None = None) -> None:
@@ -183,6 +236,8 @@ class MemoryTracker:
         if self.phase == "staging":
             held_bytes = (held_bytes or 0) + staged
         peak.zerolite = max(peak.zerolite, held_bytes or 0)
+        if self.live is not None:
+            peak.tensors = max(peak.tensors, self.live.peak(self.device_type))
         device = self._phase_device
         if device is not None:
             high = runtime.max_memory_allocated(device)
@@ -194,6 +249,23 @@ class MemoryTracker:
     def on_gradient(self, param: torch.Tensor) -> None:
         self.enter("backward")
         self.sample()
+
+    @property
+    def device_type(self) -> str:
+        """The device type whose live tensors are measured: the tracked model's (CPU before
+        a model is attached)."""
+        return "cpu" if self.device is None else self.device.type
+
+    @property
+    def peak(self) -> int:
+        """The peak of live tensor bytes over the training phases (forward, backward,
+        step); 0 when tensors are not measured."""
+        return step_peak(self.peaks)[0]
+
+    @property
+    def peak_phase(self) -> str:
+        """The training phase where `peak` was reached."""
+        return step_peak(self.peaks)[1]
 
     @property
     def offloaded(self) -> int:
@@ -208,10 +280,14 @@ class MemoryTracker:
         self._handles.clear()
 
     def __str__(self) -> str:
-        rows = [f"{'phase':10s} {'zerolite MB':>12s} {'process MB':>12s}  measured as"]
+        rows = [
+            f"{'phase':10s} {'zerolite MB':>12s} {'tensors MB':>12s} {'process MB':>12s}  "
+            "process measured as"
+        ]
         for phase, p in self.peaks.items():
             rows.append(
-                f"{phase:10s} {p.zerolite / 1e6:12.2f} {p.process / 1e6:12.2f}  {p.kind}"
+                f"{phase:10s} {p.zerolite / 1e6:12.2f} {p.tensors / 1e6:12.2f} "
+                f"{p.process / 1e6:12.2f}  {p.kind}"
             )
         if self.staging:
             rows.append(f"checkpoint staging area (host, held between saves): "
@@ -223,10 +299,11 @@ class MemoryTracker:
 
 
 @contextlib.contextmanager
-def track(opt: ShardedOptimizer | None = None) -> Iterator[MemoryTracker]:
+def track(opt: ShardedOptimizer | None = None, *, tensors: bool = True) -> Iterator[MemoryTracker]:
     """Record this rank's peak memory per phase (see the module docstring).
 
-    Local to this rank (no communication). Examples::
+    Local to this rank (no communication). ``tensors=False``: no live tensor bytes (no
+    dispatch mode in the block). Examples::
 
         with zerolite.memory.track(opt) as t:
             loss = model(x, y); loss.backward(); opt.step(); opt.zero_grad()
@@ -237,9 +314,9 @@ def track(opt: ShardedOptimizer | None = None) -> Iterator[MemoryTracker]:
             zerolite.checkpoint.load_pretrained(meta_model, "model.safetensors")
         t.peaks["build"].process, t.peaks["load"].process
     """
-    tracker = MemoryTracker(opt)
+    tracker = MemoryTracker(opt, tensors=tensors)
     try:
-        with phase_events.observe(tracker):
+        with phase_events.observe(tracker), tracker.live or contextlib.nullcontext():
             yield tracker
     finally:
         tracker.close()

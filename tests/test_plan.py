@@ -1,0 +1,88 @@
+"""``zerolite plan`` and `zerolite.memory.plan`: the configuration picked for a budget is
+the cheapest that fits, the ones over it say why, and the pick then trains under the
+budget on a real gloo group (its peak measured by `measure_peak`)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import zerolite
+from tests.peak_cases import MODELS
+from zerolite.cli import main
+from zerolite.memory import measure_peak, plan, predict_peak
+from zerolite.testing import run_ranks
+
+ARGS = ["plan", "--model", "tests.peak_cases:gpt", "--inputs", "tests.peak_cases:gpt_batch",
+        "--world-size", "2", "--batch", "4", "--stages", "1,3", "--param-dtypes", "fp32",
+        "--offload", "none"]
+
+
+def _plan(capsys, memory: str, *extra: str) -> tuple[int, str]:
+    code = main([*ARGS, "--memory", memory, *extra])
+    return code, capsys.readouterr().out
+
+
+def _train(entry: dict) -> int:
+    config = dict(entry["config"], param_dtype=getattr(torch, entry["config"]["param_dtype"]))
+    model_fn, batch_fn = MODELS["gpt"]
+    tracker = measure_peak(
+        model_fn, batch_fn, zerolite.ZeroConfig(**config), micro_batch=entry["micro_batch"],
+        accumulation=entry["accumulation"],
+        activation_checkpointing=entry["activation_checkpointing"],
+    )
+    return tracker.peak
+
+
+def test_plan_picks_the_cheapest_that_fits_and_it_trains_under_the_budget(capsys):
+    # Room for anything: nothing to trade, so stage 1, no recomputation, one micro-step.
+    code, out = _plan(capsys, "1GiB")
+    assert code == 0
+    assert out.splitlines()[-2].startswith("use (micro-batch 4 x 1 accumulation, activation "
+                                           "checkpointing off)")
+    assert out.splitlines()[-1] == "zerolite.ZeroConfig(stage=1, param_dtype=torch.float32)"
+    model_fn, batch_fn = MODELS["gpt"]
+    roomy = predict_peak(model_fn, batch_fn, zerolite.ZeroConfig(stage=1), 2, micro_batch=4)
+
+    budget = roomy.peak - 1  # that pick no longer fits
+    code, out = _plan(capsys, str(budget), "--json")
+    tight = json.loads(out)
+    pick = tight[0]
+    assert code == 0 and pick["fits"] and pick["peak_bytes"] <= budget
+    assert set(pick) >= {"config", "micro_batch", "accumulation", "activation_checkpointing",
+                         "peak_bytes", "fits"}
+    assert (pick["config"]["stage"], pick["micro_batch"], pick["activation_checkpointing"]) != (
+        1, 4, False)
+    assert [e["fits"] for e in tight] == sorted((e["fits"] for e in tight), reverse=True)
+    rejected = [e for e in tight if not e["fits"]]
+    assert all("over the budget" in e["reason"] for e in rejected)
+    measured = run_ranks(_train, 2, pick)
+    assert max(measured) <= budget, (measured, budget, pick)
+
+
+def test_plan_says_when_nothing_fits(capsys):
+    code, out = _plan(capsys, "1KiB", "--checkpointing", "on")
+    assert code == 1
+    assert "nothing fits" in out and "over the budget" in out
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--memory", "lots"], "not a memory size"),
+        (["--memory", "1GiB", "--offload", "tape"], "comma-separated list of none, host, disk"),
+    ],
+)
+def test_plan_refuses_bad_arguments(capsys, extra, message):
+    with pytest.raises(SystemExit) as exc:
+        main([*ARGS, *extra])
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_plan_function_refuses_a_zero_budget():
+    model_fn, batch_fn = MODELS["gpt"]
+    with pytest.raises(ValueError, match="memory must be an int >= 1"):
+        plan(model_fn, batch_fn, 2, 0, 4)

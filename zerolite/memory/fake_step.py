@@ -1,0 +1,170 @@
+"""Run zerolite on fake tensors: every operation's output counted, nothing allocated.
+
+`fake_step` is a ``FakeTensorMode`` (torch's: tensors with shapes, dtypes and devices but
+no data) that reports each operation's outputs to a `StorageLedger`, so the model, its
+flat buffers, masters, buckets, activations and the optimizer's temporaries are counted
+byte for byte as the real code creates and drops them, for a model of any size.
+
+[Note: values in a simulation] A fake tensor has no values, but a step reads a few:
+which parameters got gradients, the ranks' counters, lengths of byte strings. So:
+
+- operations on small integer and boolean CPU tensors run for real (on real tensors):
+  the flags and counters zerolite exchanges keep their values, and with the simulated
+  world (`zerolite.comm.simulated`) every agreement holds;
+- reading a fake value (``.item()``, ``bool(t)``) gives 0 -- no overflow, a zero norm --
+  which changes no allocation zerolite makes.
+
+Each operation is dispatched under one lock, one thread at a time (a fake mode serves one
+thread at once); the offload tier's reader and writer threads run inline, which changes
+no live byte since they only fill preallocated staging buffers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import warnings
+from collections.abc import Iterator
+from concurrent.futures import Executor, Future
+from typing import Any
+
+import torch
+from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensor, FakeTensorMode
+from torch.utils._python_dispatch import _disable_current_modes
+from torch.utils._pytree import tree_leaves
+
+from zerolite.memory.ledger import StorageLedger
+from zerolite.state import offload as offload_tier
+
+__all__ = ["fake_step"]
+
+_aten = torch.ops.aten
+_REAL_LIMIT = 16 << 20  # bytes: integer and bool CPU tensors up to this size stay real
+
+
+def _integral(t: torch.Tensor) -> bool:
+    return not (t.dtype.is_floating_point or t.dtype.is_complex)
+
+
+def _stays_real(t: torch.Tensor) -> bool:
+    """A real (not fake) small integer or bool CPU tensor ([Note: values in a simulation])."""
+    return (
+        not isinstance(t, FakeTensor)
+        and _integral(t)
+        and t.device.type == "cpu"
+        and t.untyped_storage().nbytes() <= _REAL_LIMIT
+    )
+
+
+def _zero_of(func: Any) -> Any:
+    """The value a read of a fake tensor gives: 0 of the operation's return type."""
+    returns = str(func._schema.returns[0].type) if func._schema.returns else ""
+    return {"bool": False, "int": 0, "float": 0.0}.get(returns, 0)
+
+
+def _zero_of_dtype(dtype: torch.dtype) -> bool | float | int:
+    """What ``.item()`` of a fake tensor of ``dtype`` gives."""
+    if dtype == torch.bool:
+        return False
+    return 0.0 if dtype.is_floating_point else 0
+
+
+class _LedgerMode(FakeTensorMode):
+    """``FakeTensorMode`` that keeps small integer tensors real and reports outputs."""
+
+    def __init__(self, ledger: StorageLedger) -> None:
+        super().__init__(allow_non_fake_inputs=True)
+        self.ledger = ledger
+        self._lock = threading.RLock()
+        self._local = threading.local()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        with self._lock:
+            if getattr(self._local, "inside", False):  # the fake mode's own decompositions
+                return self._fake(func, types, args, kwargs)
+            self._local.inside = True
+            try:
+                out = self._run(func, types, args, kwargs)
+            finally:
+                self._local.inside = False
+            for t in tree_leaves(out):
+                if isinstance(t, torch.Tensor):
+                    self.ledger.saw(t)
+            return out
+
+    def _fake(self, func: Any, types: Any, args: Any, kwargs: Any) -> Any:
+        first = args[0] if args else None
+        if func is _aten._local_scalar_dense.default and (
+            isinstance(first, FakeTensor) and first.constant is None
+        ):
+            return _zero_of_dtype(first.dtype)
+        try:
+            return super().__torch_dispatch__(func, types, args, kwargs)
+        except DataDependentOutputException:
+            return _zero_of(func)
+
+    def _run(self, func: Any, types: Any, args: Any, kwargs: Any) -> Any:
+        tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        if tensors and all(_stays_real(t) for t in tensors):
+            with _disable_current_modes():
+                return func(*args, **kwargs)
+        out = self._fake(func, types, args, kwargs)
+        if tensors:
+            return out
+        # A factory: real if what it made is a small integer tensor.
+        made = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        if made and all(_integral(t) and t.device.type == "cpu" for t in made) and sum(
+            t.numel() * t.element_size() for t in made
+        ) <= _REAL_LIMIT:
+            with _disable_current_modes():
+                return func(*args, **kwargs)
+        return out
+
+
+class _Inline(Executor):
+    """Runs each task when it is submitted (the offload tier's threads, simulated)."""
+
+    def submit(self, fn: Any, /, *args: Any, **kwargs: Any) -> Future:
+        future: Future = Future()
+        try:
+            future.set_result(fn(*args, **kwargs))
+        except BaseException as exc:  # noqa: BLE001 - delivered through the future
+            future.set_exception(exc)
+        return future
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def fake_step(ledger: StorageLedger) -> Iterator[_LedgerMode]:
+    """Inside the block, tensors are fake and every storage is reported to ``ledger``.
+
+    Also inside: storage resizes are reported (stage 3 frees and regrows units in place),
+    the offload tier's threads run inline, and zerolite's info logs and torch's warnings
+    about fake tensors are silenced. The caller's random generator state is restored.
+    """
+    original_resize = torch.UntypedStorage.resize_
+
+    def resize_(storage: torch.UntypedStorage, size: int) -> Any:
+        out = original_resize(storage, size)
+        ledger.resized(storage)
+        return out
+
+    zerolite_logger = logging.getLogger("zerolite")
+    level = zerolite_logger.level
+    threads = offload_tier.ThreadPoolExecutor
+    torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign]
+    offload_tier.ThreadPoolExecutor = lambda *a, **k: _Inline()  # type: ignore[misc,assignment]
+    zerolite_logger.setLevel(logging.WARNING)
+    try:
+        with warnings.catch_warnings(), torch.random.fork_rng(devices=[]):
+            warnings.simplefilter("ignore")
+            with _LedgerMode(ledger) as mode:
+                yield mode
+    finally:
+        torch.UntypedStorage.resize_ = original_resize  # type: ignore[method-assign]
+        offload_tier.ThreadPoolExecutor = threads  # type: ignore[misc]
+        zerolite_logger.setLevel(level)
