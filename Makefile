@@ -5,14 +5,27 @@
 #                        (tests/test_docs.py) (what .ci/run runs)
 #   make docs-serve    - preview the docs site (docs/, mkdocs.yml) at http://127.0.0.1:8000
 #   make test-kernels  - the numerics tests under other CPUs' kernel families (README, Tests)
-#   make gpu-check     - the CUDA-marked tests (tests/test_cuda.py); without a CUDA device it
-#                        says so and succeeds. Use a CUDA torch: make gpu-check TORCH_SPEC=torch
+#   make gpu-check     - everything one GPU can check (tests/gpu_check.py: the cuda-marked tests,
+#                        world size 1 on NCCL and 2 on gloo over CUDA tensors, the step-time and
+#                        checkpoint benchmarks on the GPU) as one pass/fail table, written with the
+#                        logs and benchmark tables to OUT (default gpu-check-results/, git-ignored).
+#                        It creates no venv and installs nothing: it runs GPU_PYTHON (below) on
+#                        this tree through PYTHONPATH, and names any package that does not
+#                        import. Without a GPU it says so and succeeds. Under 10 minutes.
 # TORCH_SPEC is installed before the package so that pip never resolves torch itself:
-# on a CPU-only machine `torch==2.13.0` is the local CPU wheel; with a CUDA build
-# already wanted, run e.g. `make test TORCH_SPEC=torch`.
+# on a CPU-only machine `torch==2.13.0` is the local CPU wheel. On a machine with internet and a
+# GPU, a CUDA build of the same torch comes from PyTorch's wheel index for that CUDA version:
+#   make test TORCH_SPEC=torch==2.13.0 PIP_INDEX=https://download.pytorch.org/whl/cu130
+#   make gpu-check GPU_PYTHON=.venv/bin/python
 PYTHON ?= python3
 VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
+# An extra index for the torch wheel only (empty: pip's configured indexes).
+PIP_INDEX ?=
+# The Python with a CUDA torch: this tree's venv where there is one, else python3 (the lent GPU
+# machine's own: the venv, git-ignored, does not travel there).
+GPU_PYTHON ?= $(if $(wildcard $(VENV)/bin/python),$(VENV)/bin/python,python3)
+OUT ?= gpu-check-results
 NPROC ?= 2
 STAGE ?= 2
 
@@ -37,7 +50,7 @@ env: $(STAMP)
 
 $(STAMP): pyproject.toml
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
-	$(VENV)/bin/python -m pip install -q "$(TORCH_SPEC)"
+	$(VENV)/bin/python -m pip install -q $(if $(PIP_INDEX),--extra-index-url $(PIP_INDEX)) "$(TORCH_SPEC)"
 	$(VENV)/bin/python -m pip install -q -e ".[test]"
 	touch $@
 
@@ -63,9 +76,6 @@ example: $(STAMP)
 	ACCELERATE_USE_CPU=1 $(VENV)/bin/accelerate launch --config_file examples/accelerate/cpu_2proc.yaml \
 	  --num_processes $(NPROC) examples/train_gpt.py --stage $(STAGE)
 
-gpu-check: $(STAMP)
-	@if $(VENV)/bin/python -c "import sys, torch; sys.exit(not torch.cuda.is_available())"; then \
-	  $(VENV)/bin/python -m pytest -q -s -rs -m cuda tests; \
-	else \
-	  echo "gpu-check: skipped, torch sees no CUDA device here (torch.cuda.is_available() is False)"; \
-	fi
+# No $(STAMP): the GPU machine has no package index, so nothing may be installed there.
+gpu-check:
+	PYTHONPATH="$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH}" $(GPU_PYTHON) tests/gpu_check.py --out "$(OUT)"

@@ -25,6 +25,11 @@ gets the same warm-up), then the timed save. Files go to a temporary directory
 mostly from the page cache, for every method alike.
 
     python benchmarks/checkpoint_io.py [--repeats 1] [--dir DIR] [--small]
+    python benchmarks/checkpoint_io.py --device cuda --world-size 1 [--small]
+
+With ``--device cuda`` every model lives on the GPU of its rank and the ranks use NCCL
+(one GPU allows ``--world-size 1``): saves then copy device-to-host (zerolite's
+asynchronous save through its pinned staging area), and DCP's mesh is a CUDA mesh.
 """
 
 from __future__ import annotations
@@ -52,11 +57,12 @@ from zerolite import checkpoint as ckpt  # noqa: E402
 from zerolite.testing import run_ranks  # noqa: E402
 
 BIG = GPTConfig(vocab_size=16384, seq_len=128, n_layer=12, n_head=12, d_model=768)
+DEVICE = torch.device("cpu")  # this rank's; set by `_run`
 
 
 def _model(cfg: GPTConfig) -> GPT:
     torch.manual_seed(0)
-    return GPT(cfg)
+    return GPT(cfg).to(DEVICE)
 
 
 def _optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
@@ -65,7 +71,7 @@ def _optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
 
 def _step(cfg: GPTConfig, model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
     x, y = random_batch(cfg, 2, seed=dist.get_rank())
-    model(x, y).backward()
+    model(x.to(DEVICE), y.to(DEVICE)).backward()
     opt.step()
     opt.zero_grad()
 
@@ -120,7 +126,7 @@ def _fsdp2(cfg: GPTConfig) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     from torch.distributed.fsdp import fully_shard
 
     model = _model(cfg)
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    mesh = init_device_mesh(DEVICE.type, (dist.get_world_size(),))
     for block in model.blocks:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
@@ -172,7 +178,7 @@ def _torch_save(cfg: GPTConfig, path: Path) -> dict:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     def replicated() -> tuple[DDP, torch.optim.Optimizer]:
-        model = DDP(_model(cfg))
+        model = DDP(_model(cfg), device_ids=None if DEVICE.index is None else [DEVICE.index])
         return model, _optimizer(model.module)
 
     model, opt = replicated()
@@ -192,7 +198,7 @@ def _torch_save(cfg: GPTConfig, path: Path) -> dict:
     fresh, fresh_opt = replicated()
 
     def load() -> None:
-        state = torch.load(file, map_location="cpu", weights_only=True)
+        state = torch.load(file, map_location=DEVICE, weights_only=True)
         fresh.module.load_state_dict(state["model"])
         fresh_opt.load_state_dict(state["optim"])
 
@@ -209,7 +215,10 @@ METHODS: dict[str, Callable[[GPTConfig, Path], dict]] = {
 }
 
 
-def _run(root: str, repeats: int, small: bool) -> dict:
+def _run(root: str, repeats: int, small: bool, device: str) -> dict:
+    global DEVICE
+    if device == "cuda":
+        DEVICE = torch.device("cuda", dist.get_rank())  # run_ranks made it current
     cfg = GPTConfig() if small else BIG
     results: dict[str, list[dict]] = {name: [] for name in METHODS}
     for i in range(repeats):
@@ -230,11 +239,15 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--dir", default=None, help="where to write (default: a temporary dir)")
     parser.add_argument("--small", action="store_true", help="the 11M default GPT (quick check)")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    parser.add_argument("--world-size", type=int, default=2)
     args = parser.parse_args()
+    backend = "nccl" if args.device == "cuda" else "gloo"
     with tempfile.TemporaryDirectory(dir=args.dir) as root:
-        out = run_ranks(_run, 2, root, args.repeats, args.small, timeout=1800)[0]
-    print(f"GPT {out['params']:,} parameters, AdamW, 2 ranks (gloo, CPU, 1 thread each); "
-          f"median of {args.repeats}")
+        out = run_ranks(_run, args.world_size, root, args.repeats, args.small, args.device,
+                        timeout=1800, backend=backend)[0]
+    print(f"GPT {out['params']:,} parameters, AdamW, {args.world_size} ranks ({backend}, "
+          f"{args.device}, 1 thread each); median of {args.repeats}")
     print(f"{'method':20s} {'GB':>6s} {'blocking s':>11s} {'total s':>8s} {'save GB/s':>10s} "
           f"{'load s':>7s} {'load GB/s':>10s}")
     for name, runs in out["results"].items():

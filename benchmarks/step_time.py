@@ -1,6 +1,6 @@
 """Step time of zerolite against DDP and PyTorch's ZeRO-1, side by side.
 
-Fixed configuration (stated here and in the README):
+Fixed configuration (stated here and in docs/benchmarks.md):
     GPT: 6 layers, d_model 384, 6 heads, vocab 8192, seq 128 (tied head)
     micro-batch 4 per rank, AdamW(lr 3e-4, weight_decay 0.1), 2 ranks, 1 thread per rank
     per launch: 3 warm-up + 10 timed steps; systems interleaved in rounds (>= 5)

@@ -60,7 +60,8 @@ def single_thread() -> Iterator[None]:
 
 
 def mixed_reference(dtype: torch.dtype, data, *, slices: int = 1, loss_scale: float | None = None,
-                    overflow_step: int | None = None, max_norm: float | None = None) -> dict:
+                    overflow_step: int | None = None, max_norm: float | None = None,
+                    device: str = "cpu") -> dict:
     """Hand-written 16-bit training with fp32 masters (see the module docstring).
 
     The masters start from the 16-bit-rounded initial values (what the 16-bit model
@@ -70,8 +71,10 @@ def mixed_reference(dtype: torch.dtype, data, *, slices: int = 1, loss_scale: fl
     16-bit gradient is upcast, then unscaled (exact: a power of two) and clipped in fp32;
     a step with a non-finite gradient is skipped and halves the scale. At
     ``overflow_step`` slice 1 (slice 0 if it is the only one) gets an inf in `POISONED`.
+    The recipe runs on ``device`` (a GPU's kernels round as zerolite's there do); the
+    returned parameters are on the CPU.
     """
-    master_model = parity.make_model()
+    master_model = parity.make_model().to(device)
     with torch.no_grad():
         for p in master_model.parameters():
             p.copy_(p.to(dtype).float())
@@ -83,6 +86,7 @@ def mixed_reference(dtype: torch.dtype, data, *, slices: int = 1, loss_scale: fl
     scale = loss_scale
     out: dict = {"losses": [], "skipped": [], "scales": [], "norms": []}
     for step, (x, y) in enumerate(data):
+        x, y = x.to(device), y.to(device)
         per = x.shape[0] // slices
         acc = [torch.zeros_like(m) for m in masters]
         losses = []
@@ -119,7 +123,7 @@ def mixed_reference(dtype: torch.dtype, data, *, slices: int = 1, loss_scale: fl
         with torch.no_grad():
             for lp, m in zip(lows, masters):
                 lp.copy_(m)
-    out["params"] = {n: p.detach().clone() for n, p in low.named_parameters()}
+    out["params"] = {n: p.detach().cpu().clone() for n, p in low.named_parameters()}
     out["scale"] = scale
     return out
 

@@ -5,7 +5,7 @@ padded and unpadded flat buffers, stages 1 and 2: the reduce-scatter and the all
 each send (N-1) ceil(m / N) elements per bucket of m elements, plus one small flag
 all-reduce per step and nothing else. The expectation is computed here from the model's
 own parameters, with no code of zerolite's plan or layout: the buckets are what
-README's rule gives (parameters in reverse registration order, packed greedily up to
+docs/design.md's rule gives (parameters in reverse registration order, packed greedily up to
 ``bucket_size_mb`` of fp32, a larger parameter alone), each padded to a multiple of N;
 in all 2 (N-1)/N Psi <= sent <= 2 (N-1)/N Psi + 2 (N-1)^2/N per bucket.
 """
@@ -27,7 +27,7 @@ ODD = GPTConfig(vocab_size=61, seq_len=7, n_layer=1, n_head=3, d_model=9)
 
 
 def _buckets(model, bucket_mb: float) -> list[int]:
-    """Elements of each bucket README's rule makes of ``model``'s parameters (written here,
+    """Elements of each bucket docs/design.md's rule makes of ``model``'s parameters (written here,
     independently of `zerolite.plan.shard_plan`): reverse registration order, greedy up to the byte
     capacity, a parameter larger than it alone; a tied parameter counted once."""
     capacity = max(1, int(bucket_mb * 2**20))

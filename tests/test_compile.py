@@ -5,7 +5,7 @@ Two shapes users write, each against single-process training with `tests.parity`
 round differently from the eager kernels, as another summation order would):
 
 - ``torch.compile(model)`` after ``shard()``, backend ``aot_eager`` (AOTAutograd's joint
-  graph, which is what broke stage 3; inductor is measured by hand, see the README's
+  graph, which is what broke stage 3; inductor is measured by hand, see docs/limits.md's
   Limits: its cold compile on CPU takes about a minute);
 - a compiled step function that also runs ``loss.backward()`` (backend ``eager``: the
   recompile storm is dynamo's, whatever the backend): every zerolite hook and autograd

@@ -114,7 +114,7 @@ def test_stages_compose():
         assert kept == (torch.float32 if policy.shards_gradients else torch.bfloat16)
 
 
-# Every ZEROLITE_* variable README documents: (field, text, what it parses to, an explicit
+# Every ZEROLITE_* variable the docs name: (field, text, what it parses to, an explicit
 # argument that must win over it, a text that must be refused naming the field). Written
 # out here, not read from ZeroConfig's fields, so that a parser that changes behaviour
 # (or a variable that stops being read) fails.
@@ -153,16 +153,17 @@ def _clear_env(monkeypatch) -> None:
 
 
 def test_every_environment_variable_is_documented_and_tested():
-    """The variables zerolite reads are exactly those tested here, and README names each."""
+    """The variables zerolite reads are exactly those tested here, and the docs name each
+    (docs/training-loops.md, where ZeroConfig's precedence is explained)."""
     variables = {f.metadata["env"] for f in dataclasses.fields(ZeroConfig) if "env" in f.metadata}
     assert variables == set(ENV_CASES)
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-    assert [var for var in ENV_CASES if f"`{var}" not in readme] == []
+    page = (Path(__file__).resolve().parent.parent / "docs" / "training-loops.md").read_text()
+    assert [var for var in ENV_CASES if f"`{var}" not in page] == []
 
 
 @pytest.mark.parametrize("var", list(ENV_CASES))
 def test_environment_variable_parsing_and_precedence(monkeypatch, var):
-    """Its text is parsed (whitespace and case forgiven where README's examples allow), an
+    """Its text is parsed (whitespace and case forgiven where the docs' examples allow), an
     explicit argument beats it, without it the default holds (and is_set says so), and a
     bad text raises a ValueError naming the field and the text."""
     field, text, parsed, explicit, bad = ENV_CASES[var]

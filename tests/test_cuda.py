@@ -8,7 +8,7 @@ parity on CUDA; stage-3 storage freed per unit; the meta build on CUDA; ``track(
 the allocator's own peak; fp16 through `ZeroAccelerator` with a forced overflow; the
 conversion guard. Tests that need two GPUs (NCCL training at 2 ranks, a model on a device
 that is not the current one) skip with one. Measurements are printed (``-s``): they are the
-README's GPU table.
+GPU table in docs/limits.md.
 """
 
 from __future__ import annotations

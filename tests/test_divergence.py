@@ -167,14 +167,21 @@ def test_a_diverging_rank_raises_on_every_rank(stage, how, tmp_path):
     (3 s) would end only at gloo's own timeout, which run_ranks sets to the launch's
     deadline (60 s) and which starts later than the launch, so the launch would end in a
     RankTimeout instead of these reports. A rank that timed out did wait its timeout_s
-    first (a lower bound, which load cannot break)."""
+    first (a lower bound, which load cannot break). On a loaded machine the ranks do not
+    time out together: a rank whose peer gave up first sees the exchange fail ("Connection
+    closed by peer"), which is also a CollectiveTimeout naming the step; at least one rank
+    then timed out by the bound."""
     results = run_ranks(_diverging_loop_rank, 2, stage, how, str(tmp_path), timeout=LAUNCH_S)
+    bounded = f"timeout_s={TIMEOUT_S:g}s"
     for rank, result in enumerate(results):
         assert not result["finished"], f"rank {rank} finished its loop ({how}, stage {stage})"
         assert "step" in result["error"], result["error"]
         if result["error"].startswith("CollectiveTimeout"):
-            assert f"timeout_s={TIMEOUT_S:g}s" in result["error"], result["error"]
-            assert result["seconds"] >= TIMEOUT_S, result
+            assert bounded in result["error"] or " failed (" in result["error"], result["error"]
+            if bounded in result["error"]:
+                assert result["seconds"] >= TIMEOUT_S, result
+    timeouts = [r["error"] for r in results if r["error"].startswith("CollectiveTimeout")]
+    assert not timeouts or any(bounded in e for e in timeouts), timeouts
     if how == "save_alone":
         assert any("checkpoint.save()" in r["error"] for r in results), results
 

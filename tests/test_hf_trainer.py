@@ -26,7 +26,7 @@ from zerolite.testing import run_ranks
 # same slices); the one sum in another order is the clipping norm (over shards, not per
 # tensor), a few fp32 roundings (~1e-7) of each step's coefficient, which fp32 AdamW carries
 # smoothly: 6 steps stay far inside 1e-5. No bf16 matmul runs here.
-TOL = 1e-5  # relative, per step and per tensor (README, "Hugging Face Trainer")
+TOL = 1e-5  # relative, per step and per tensor (docs/hf-trainer.md)
 RESUMED = (4, 5, 6)  # the steps a resume from checkpoint-3 trains itself
 
 

@@ -279,7 +279,7 @@ def _wire_rank(stage: int) -> dict:
 
 def test_bytes_on_the_wire_per_step() -> None:
     # Stage 2 (stage 3 adds the per-unit gathers, quantized the same way; ~25 s more here:
-    # its ratios are in benchmarks/quantized_accuracy.py's output and the README).
+    # its ratios are in benchmarks/quantized_accuracy.py's output and docs/benchmarks.md).
     sent = run_ranks(_wire_rank, 2, 2, timeout=2 * TIMEOUT)[0]
     fp32 = sent[(str(torch.float32), True)] / sent[(str(torch.float32), False)]
     bf16 = sent[(str(torch.bfloat16), True)] / sent[(str(torch.bfloat16), False)]

@@ -201,7 +201,7 @@ def _ownership_cases() -> dict:
             merged[n] = k
     loads = [sum(c.values()) for c in counts]
     expected = max(loads) / min(loads)
-    # README's rule, written here (not zerolite.plan.owners's code): largest tensor first,
+    # docs/design.md's rule, written here (not zerolite.plan.owners's code): largest tensor first,
     # each to the least-loaded rank; the loads it gives, whatever the tie-breaks.
     greedy = [0] * world
     for n in sorted((p.numel() for p in model.parameters()), reverse=True):

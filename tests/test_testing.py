@@ -162,8 +162,12 @@ def test_rank_output_reaches_callers_fds(capfd: pytest.CaptureFixture[str]) -> N
 def test_unpicklable_return_value_is_reported() -> None:
     with pytest.raises(RankFailure) as info:
         run_ranks(_return_unpicklable, 2, timeout=30)
-    assert set(info.value.failures) == {0, 1}
-    assert "cannot pickle '_thread.lock'" in info.value.failures[0]
+    # Both ranks fail the same way; a rank that has not reported within the grace period
+    # after the first failure (a loaded machine) is stopped, so require the first reporter.
+    assert info.value.failures
+    for message in info.value.failures.values():
+        assert "cannot pickle '_thread.lock'" in message or "killed after rank" in message, message
+    assert any("cannot pickle '_thread.lock'" in m for m in info.value.failures.values())
 
 
 def test_exception_in_one_rank_fails_fast(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -232,7 +232,7 @@ def _in_place_edit_rank(stages: tuple[int, ...]) -> dict:
 
 @pytest.mark.parametrize("world_size", [2])
 def test_in_place_edits_of_16_bit_parameters_need_gathered_parameters(world_size):
-    """The README's limit, both halves: an edit of bf16 ``p.data`` at stages 1-2 is replaced by
+    """docs/limits.md's limit, both halves: an edit of bf16 ``p.data`` at stages 1-2 is replaced by
     the fp32 master at the next step; inside ``gathered_parameters(modifier_rank=...)`` it
     reaches the masters and survives, at every stage."""
     result = run_ranks(_in_place_edit_rank, world_size, (1, 2, 3), timeout=120)

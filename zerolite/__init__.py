@@ -3,7 +3,7 @@
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
     opt = zerolite.shard(model, opt, zerolite.ZeroConfig(stage=2))
 
-See README.md for the full picture, and docs/design.md for how it is built and what its
+See README.md and docs/ for the full picture, and docs/design.md for how it is built and what its
 words mean (flat buffer, shard, chunk, piece, span, unit, bucket, slot: its "Words"). The
 subpackages ``zerolite.memory``, ``zerolite.checkpoint``, ``zerolite.testing``,
 ``zerolite.accelerate`` and ``zerolite.hf`` are attributes of the package, imported on first

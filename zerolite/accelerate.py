@@ -48,6 +48,7 @@ from torch import nn
 
 import zerolite.checkpoint
 from zerolite.checkpoint.pending_save import PendingSave, finish_in_flight_everywhere
+from zerolite.comm import runtime
 from zerolite.config import ZeroConfig
 from zerolite.gathered import full_state_dict
 from zerolite.optim.sharded_optimizer import ShardedOptimizer
@@ -67,7 +68,7 @@ def zero_config_for(accelerator: Accelerator, zero_config: ZeroConfig | None) ->
     if precision == "bf16":
         return dataclasses.replace(config, param_dtype=torch.bfloat16)
     if precision == "fp16":
-        if accelerator.device.type != "cuda":
+        if not runtime.is_accelerator(accelerator.device):
             raise ValueError(
                 "mixed_precision='fp16' needs a CUDA device (zerolite scales the fp16 loss there); "
                 "on CPU use mixed_precision='bf16' or 'no'"

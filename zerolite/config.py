@@ -199,7 +199,7 @@ class ZeroConfig:
     error_feedback: bool = setting(True, "ZEROLITE_ERROR_FEEDBACK", parse_bool)
     """With ``quantize_reduce``, keep each rank's quantization error (fp32, (N-1)/N of the
     gradient buffers per rank) and add it to the next exchange's contribution; ``False``
-    saves that memory at an accuracy cost (README, "Quantized collectives")."""
+    saves that memory at an accuracy cost (docs/hybrid-and-quantized.md)."""
 
     # Fields with environment variables that took their default (no argument, no variable):
     # integrations may fill those from their own settings (Accelerate's mixed_precision).

@@ -78,7 +78,8 @@ def _number(field: str, raw: str, kind: type) -> Any:
         return kind(raw)
     except ValueError:
         raise ValueError(
-            f"ZeroConfig.{field}: environment value {raw!r} is not a {kind.__name__}"
+            f"ZeroConfig.{field}: environment value {raw!r} is not "
+            f"{'an integer' if kind is int else 'a number'}"
         ) from None
 
 

@@ -51,6 +51,7 @@ from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
 import zerolite.checkpoint
 from zerolite.accelerate import ZeroAccelerator, check_launch
 from zerolite.checkpoint.pending_save import finish_in_flight_everywhere
+from zerolite.comm import runtime
 from zerolite.config import ZeroConfig
 from zerolite.gathered import full_state_dict
 from zerolite.optim.sharded_optimizer import ShardedOptimizer
@@ -68,7 +69,7 @@ _UNSUPPORTED = (
     (
         "torch_compile",
         "Trainer's compile path is not tested with ZeroTrainer; torch.compile on a sharded "
-        "model is (README, torch.compile)",
+        "model is (docs/limits.md, torch.compile)",
     ),
     ("auto_find_batch_size", "a retry would re-wrap a model that is already sharded in place"),
     (
@@ -100,7 +101,7 @@ def zero_config_for_args(args: Any, zero_config: ZeroConfig | None) -> ZeroConfi
         ValueError: the config contradicts ``args`` (float16 parameters with ``args.bf16``,
             anything but float16 with ``args.fp16``) or has ``stage=0``; ``args.fp16`` off CUDA.
     """
-    if args.fp16 and args.device.type != "cuda":
+    if args.fp16 and not runtime.is_accelerator(args.device):
         raise ValueError(
             f"args.fp16=True needs a CUDA device (zerolite's loss scaler runs there), but the "
             f"device is {args.device}; use args.bf16=True or ZeroConfig(param_dtype=torch.bfloat16)"

@@ -104,9 +104,12 @@ def _rank_main(job: bytes, rank: int, world_size: int, store_path: str, timeout:
         fn, args = pickle.loads(job)
         store = dist.FileStore(store_path, world_size)  # type: ignore[attr-defined]
         options: dict[str, Any] = {} if backend is None else {"backend": backend}
-        if _uses_cuda(backend):  # rank r on cuda:r, current and bound to the group
-            torch.cuda.set_device(rank)
-            options["device_id"] = torch.device("cuda", rank)
+        if _uses_accelerator(backend):  # rank r on device r, current and bound to the group
+            from zerolite.comm import runtime
+
+            device = torch.device(runtime.gpu_type(), rank)
+            runtime.set_current_device(device)
+            options["device_id"] = device
         dist.init_process_group(store=store, rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=timeout), **options)
         message: tuple[str, Any] = ("ok", pickle.dumps(fn(*args), pickle.HIGHEST_PROTOCOL))
@@ -154,23 +157,23 @@ def _describe_exit(code: int | None) -> str:
         return f"signal {-code}"
 
 
-def _uses_cuda(backend: str | None) -> bool:
-    """Whether ranks of this backend run on CUDA devices: NCCL (alone or per device, as
-    ``"cpu:gloo,cuda:nccl"``), or no backend on a CUDA machine (torch then picks NCCL)."""
-    import torch
-
+def _uses_accelerator(backend: str | None) -> bool:
+    """Whether ranks of this backend run on GPUs: NCCL (alone or per device, as
+    ``"cpu:gloo,cuda:nccl"``), or no backend on a GPU machine (torch then picks NCCL)."""
     if backend is None or backend.lower() == "undefined":
-        return torch.cuda.is_available()
+        from zerolite.comm import runtime
+
+        return runtime.accelerator_type() is not None
     return "nccl" in backend.lower()
 
 
 def _check_devices(backend: str | None, world_size: int) -> None:
     """Refuse, in the parent, a CUDA backend without a GPU for every rank."""
-    if not _uses_cuda(backend):
+    if not _uses_accelerator(backend):
         return
-    import torch
+    from zerolite.comm import runtime
 
-    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    count = runtime.device_count()
     if count < world_size:
         raise ValueError(
             f"run_ranks(backend={backend!r}, world_size={world_size}): each rank runs on its own "

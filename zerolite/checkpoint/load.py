@@ -42,6 +42,7 @@ from zerolite.checkpoint.range_reader import PieceReader, RangeReader
 from zerolite.checkpoint.residuals import apply_residuals, read_residuals
 from zerolite.checkpoint.save import model_only_tensors
 from zerolite.checkpoint.schedulers import apply_schedulers, plan_schedulers, restore_schedulers
+from zerolite.comm import runtime
 from zerolite.comm.consensus import agreed
 from zerolite.comm.small_exchange import all_gather_bytes
 from zerolite.optim.multi import class_name
@@ -229,7 +230,7 @@ class _Read:
     frozen: list[tuple[torch.Tensor, torch.Tensor]] = dataclasses.field(default_factory=list)
     same_world: bool = False  # a flat save at this world size: per-rank generator states
     rng: torch.Tensor | None = None
-    cuda_rng: torch.Tensor | None = None  # restored only at the same world size
+    device_rng: torch.Tensor | None = None  # the model's device's; only at the same world size
     residuals: list[tuple[torch.Tensor, torch.Tensor]] = dataclasses.field(default_factory=list)
     # (scheduler, its state before) of the schedulers loaded: the one thing changed early.
     schedulers: list[tuple[Any, Any]] = dataclasses.field(default_factory=list)
@@ -341,8 +342,9 @@ def _read_model_side(
     rng_file = path / index["files"][group.rank if read.same_world else 0]["file"]
     with safe_open(rng_file, framework="pt") as f:
         read.rng = f.get_tensor("rng/cpu")
-        if read.same_world and "rng/cuda" in f.keys():
-            read.cuda_rng = f.get_tensor("rng/cuda")
+        device = optimizer.group.buffer_device
+        if read.same_world and runtime.is_accelerator(device) and f"rng/{device.type}" in f.keys():
+            read.device_rng = f.get_tensor(f"rng/{device.type}")
 
 
 def _write(read: _Read, model: nn.Module, optimizer: ShardedOptimizer, index: dict) -> None:
@@ -368,8 +370,8 @@ def _write(read: _Read, model: nn.Module, optimizer: ShardedOptimizer, index: di
         if read.same_world:
             torch.set_rng_state(read.rng)
             device = optimizer.group.buffer_device
-            if read.cuda_rng is not None and device.type == "cuda":
-                torch.cuda.set_rng_state(read.cuda_rng, device)  # the model's device's, as saved
+            if read.device_rng is not None:
+                runtime.set_rng_state(device, read.device_rng)  # the model's device's, as saved
         else:  # seeds CPU and every CUDA device
             seed = int.from_bytes(bytes(read.rng[:8].tolist()), "little")
             torch.manual_seed(seed + optimizer.group.world.rank)

@@ -29,6 +29,7 @@ from zerolite.checkpoint.format import (
 from zerolite.checkpoint.groups import piece_groups
 from zerolite.checkpoint.residuals import residual_tensors
 from zerolite.checkpoint.shard_writer import LazyTensor
+from zerolite.comm import runtime
 from zerolite.optim.sharded_optimizer import ShardedOptimizer
 from zerolite.state.pieces import Piece
 from zerolite.state.shard_state import ShardState
@@ -104,8 +105,9 @@ def rank_file(model: nn.Module, opt: ShardedOptimizer) -> RankFile:
     tensors.update(residual_tensors(opt))  # quantize_reduce's error feedback
     tensors["rng/cpu"] = torch.get_rng_state()
     device = opt.group.buffer_device
-    if device.type == "cuda":  # the generator of the model's own device, not the current one
-        tensors["rng/cuda"] = torch.cuda.get_rng_state(device)
+    own = runtime.rng_state(device)  # the generator of the model's own device, not the current one
+    if own is not None:
+        tensors[f"rng/{device.type}"] = own
     if opt.group.rank == 0:
         for name, tensor in model_only_tensors(model, state).items():
             tensors[model_key(name)] = tensor.detach()

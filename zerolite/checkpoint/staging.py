@@ -27,6 +27,7 @@ from collections.abc import Mapping
 import torch
 
 from zerolite.checkpoint.shard_writer import LazyTensor, Slot, as_bytes, layout
+from zerolite.comm import runtime
 from zerolite.state.pinned import host_buffer
 
 __all__ = ["StagingArea", "staging_area", "staging_bytes"]
@@ -62,14 +63,15 @@ class StagingArea:
         is complete, so the caller may change the tensors at once."""
         slots = layout(tensors)
         devices = {
-            t.device for t in tensors.values() if isinstance(t, torch.Tensor) and t.is_cuda
+            t.device for t in tensors.values()
+            if isinstance(t, torch.Tensor) and runtime.is_accelerator(t.device)
         }
-        on_cuda = bool(devices)
+        on_device = bool(devices)
         size = slots[-1].end if slots else 0
-        if slots != self.slots or self.buffer is None or self._pinned != on_cuda:
+        if slots != self.slots or self.buffer is None or self._pinned != on_device:
             self.buffer = None  # free the old buffer before allocating the new one
-            self.buffer = host_buffer(size, pinned=on_cuda)
-            self._pinned = on_cuda
+            self.buffer = host_buffer(size, pinned=on_device)
+            self._pinned = on_device
             self.slots = slots
         for slot in slots:
             view = self.buffer[slot.start : slot.end].view(slot.dtype).view(slot.shape)
@@ -77,9 +79,9 @@ class StagingArea:
             if isinstance(source, LazyTensor):  # offloaded: read from its tier into place
                 source.read_into(view.reshape(-1))
             else:
-                view.copy_(source.detach(), non_blocking=on_cuda)
+                view.copy_(source.detach(), non_blocking=on_device)
         for device in devices:  # the copies were queued on each device's current stream
-            torch.cuda.current_stream(device).synchronize()
+            runtime.synchronize_stream(device)
 
 
 _AREAS: weakref.WeakSet[StagingArea] = weakref.WeakSet()

@@ -34,6 +34,8 @@ from collections.abc import Iterable, Mapping
 import torch
 import torch.distributed as dist
 
+from zerolite.comm import runtime
+
 __all__ = [
     "backends_of",
     "buffer_device",
@@ -52,7 +54,7 @@ def parse_backend_config(text: str) -> dict[str, str]:
     """
     text = str(text).strip().lower()
     if ":" not in text:
-        capable = dist.Backend.backend_capability.get(text, ["cpu", "cuda"])
+        capable = dist.Backend.backend_capability.get(text, ["cpu", runtime.GPU_TYPE])
         return {device: text for device in capable}
     out = {}
     for pair in text.split(","):
@@ -82,13 +84,6 @@ def _bound_device(process_group: dist.ProcessGroup | None) -> torch.device | Non
     return None if bound is None else torch.device(bound)
 
 
-def _resolved(device: torch.device) -> torch.device:
-    """``cuda`` without an index is the current CUDA device, named once here."""
-    if device.type == "cuda" and device.index is None:
-        return torch.device("cuda", torch.cuda.current_device())
-    return device
-
-
 def _first_device(tensors: Iterable[torch.Tensor]) -> torch.device | None:
     for t in tensors:
         return t.device
@@ -113,7 +108,7 @@ def buffer_device(
         process_group: the data-parallel group (`zerolite.comm.hybrid.data_parallel_group`).
     """
     if configured is not None:
-        return _resolved(configured)
+        return runtime.resolve(configured)
     source = _first_device(parameters)
     if source is not None and source.type != "meta":
         return source
@@ -131,10 +126,10 @@ def meta_device(backends: Mapping[str, str], bound: torch.device | None) -> torc
         backends: the group's device -> backend map (`backends_of`).
         bound: the group's bound device, if any.
     """
-    cuda_backend = backends.get("cuda")
-    if cuda_backend is None or cuda_backend == "gloo":
-        return torch.device("cpu")
-    return _resolved(bound if bound is not None else torch.device("cuda"))
+    for device_type, backend in backends.items():
+        if runtime.is_accelerator(torch.device(device_type)) and backend != "gloo":
+            return runtime.resolve(bound if bound is not None else torch.device(device_type))
+    return torch.device("cpu")
 
 
 def communication_device(buffers: torch.device, backends: Mapping[str, str]) -> torch.device:

@@ -52,6 +52,7 @@ import torch
 
 from zerolite import phase_events
 from zerolite.checkpoint.staging import staging_bytes
+from zerolite.comm import runtime
 from zerolite.memory.footprint import footprint, offload_label
 from zerolite.optim.sharded_optimizer import ShardedOptimizer, require_sharded_optimizer
 
@@ -111,8 +112,8 @@ class MemoryTracker:
         self.staging = 0  # bytes of checkpoint staging areas (host), the most seen
         # The tracked model's buffer device (None until attached: RSS is measured).
         self.device: torch.device | None = None
-        self._phase_cuda: torch.device | None = None  # the CUDA device this phase measures
-        self._cuda_high = 0  # max_memory_allocated(device) when this phase began
+        self._phase_device: torch.device | None = None  # the accelerator this phase measures
+        self._device_high = 0  # max_memory_allocated(device) when this phase began
         self._resident = _ResidentPeak()
         self._rss0 = psutil.Process().memory_info().rss
         self._handles: list[Any] = []
@@ -149,9 +150,10 @@ class MemoryTracker:
             self.attach(opt)
 
     @property
-    def cuda(self) -> bool:
-        """Whether the tracked model lives on CUDA (its phases measure CUDA memory)."""
-        return self.device is not None and self.device.type == "cuda"
+    def on_accelerator(self) -> bool:
+        """Whether the tracked model lives on an accelerator such as a CUDA GPU (its phases
+        measure the device's allocator)."""
+        return self.device is not None and runtime.is_accelerator(self.device)
 
     def enter(self, phase: str, device: torch.device | None = None) -> None:
         """Begin ``phase``; ``device``: the buffers' device of the model it concerns, used
@@ -160,13 +162,14 @@ class MemoryTracker:
             return
         self.sample()
         measured = self.device if self.device is not None else device
-        self._phase_cuda = measured if measured is not None and measured.type == "cuda" else None
-        if self._phase_cuda is not None:  # the user's peak counters are left alone
-            self._cuda_high = torch.cuda.max_memory_allocated(self._phase_cuda)
+        on_device = measured is not None and runtime.is_accelerator(measured)
+        self._phase_device = measured if on_device else None
+        if self._phase_device is not None:  # the user's peak counters are left alone
+            self._device_high = runtime.max_memory_allocated(self._phase_device)
         else:
             self._resident.reset()
         self.phase = phase
-        self.peaks[phase].kind = CUDA_PEAK if self._phase_cuda is not None else RSS_GROWTH
+        self.peaks[phase].kind = CUDA_PEAK if self._phase_device is not None else RSS_GROWTH
         self.sample()
 
     def sample(self, held_bytes: int | None = None) -> None:
@@ -180,11 +183,11 @@ class MemoryTracker:
         if self.phase == "staging":
             held_bytes = (held_bytes or 0) + staged
         peak.zerolite = max(peak.zerolite, held_bytes or 0)
-        device = self._phase_cuda
+        device = self._phase_device
         if device is not None:
-            high = torch.cuda.max_memory_allocated(device)
-            now = torch.cuda.memory_allocated(device)
-            peak.process = max(peak.process, now, high if high > self._cuda_high else 0)
+            high = runtime.max_memory_allocated(device)
+            now = runtime.memory_allocated(device)
+            peak.process = max(peak.process, now, high if high > self._device_high else 0)
         else:
             peak.process = max(peak.process, self._resident.read() - self._rss0)
 

@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from zerolite.comm import runtime
 from zerolite.plan.offload import MASTER
 from zerolite.state.master import MasterShard
 from zerolite.state.offload import OffloadTier
@@ -156,7 +157,7 @@ def _fields(tier: OffloadTier, seg: _Segment) -> list[str]:
     when offloaded, the state once initialised) and, for a CUDA model, every field the
     stepped values come back into ([Note: streamed step on CUDA])."""
     names = [MASTER] if tier.has_master(seg.slot) else []
-    if seg.initialized or tier.device.type == "cuda":
+    if seg.initialized or runtime.is_accelerator(tier.device):
         names += tier.state_keys(seg.slot)
     return names
 
@@ -195,7 +196,7 @@ def _load(tier: OffloadTier, chunk: list[_Segment], buffer: int) -> list[_Segmen
 
 def _step_chunk(
     tier: OffloadTier, chunk: list[_Segment], optimizer: torch.optim.Optimizer
-) -> torch.cuda.Event | None:
+) -> runtime.Event | None:
     """Main thread: one ``optimizer.step()`` over the chunk's segments; sets each segment's
     ``outgoing``. Returns, for a CUDA model, the event after which the stepped values have
     landed in the chunk's staging buffer ([Note: streamed step on CUDA]); else None."""
@@ -251,18 +252,16 @@ def _step_chunk(
             master.flat.shard[start + seg.lo : start + seg.hi].copy_(seg.values)
         seg.outgoing = {MASTER: seg.values} if tier.has_master(seg.slot) else {}
         seg.outgoing.update((k, seg.state[k]) for k in keys if k in seg.state)
-    if device.type != "cuda":
+    if not runtime.is_accelerator(device):
         return None
     for seg in chunk:  # back into the staging buffer, without blocking the host
         for name, value in seg.outgoing.items():
             seg.host[name].copy_(value, non_blocking=True)
         seg.outgoing = {name: seg.host[name] for name in seg.outgoing}
-    copied = torch.cuda.Event()
-    copied.record(torch.cuda.current_stream(device))
-    return copied
+    return runtime.record_event(device)
 
 
-def _store(tier: OffloadTier, chunk: list[_Segment], copied: torch.cuda.Event | None) -> None:
+def _store(tier: OffloadTier, chunk: list[_Segment], copied: runtime.Event | None) -> None:
     """Writer thread: the stepped masters (when offloaded) and per-element state, once
     ``copied`` (CUDA) says they are in host memory."""
     if copied is not None:

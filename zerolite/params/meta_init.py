@@ -58,6 +58,7 @@ import torch
 from torch import nn
 
 from zerolite import phase_events
+from zerolite.comm import runtime
 from zerolite.comm.collectives import Group
 from zerolite.comm.small_exchange import exchange_small
 from zerolite.params.flat_buffer import FlatParamBuffer
@@ -115,23 +116,23 @@ class MetaBuild:
 @contextlib.contextmanager
 def _rank0_generators(device: torch.device, group: Group) -> Iterator[None]:
     """Draw from rank 0's generator states; afterwards rank 0 keeps the advanced states."""
-    cuda = [device] if device.type == "cuda" else []
+    own = [device] if runtime.is_accelerator(device) else []  # the device's own generator
     # uint8, same sizes on every rank
-    states = [torch.get_rng_state()] + [torch.cuda.get_rng_state(d) for d in cuda]
+    states = [torch.get_rng_state()] + [runtime.rng_state(d) for d in own]
     packed = torch.cat(states)
     rank0 = exchange_small(
         packed, group, "broadcast", src=0, what="shard()'s broadcast of rank 0's generator states"
     ).split([s.numel() for s in states])
-    with torch.random.fork_rng(devices=cuda):
+    with runtime.fork_rng(own):
         torch.set_rng_state(rank0[0].clone())
-        for d, state in zip(cuda, rank0[1:]):
-            torch.cuda.set_rng_state(state.clone(), d)
+        for d, state in zip(own, rank0[1:]):
+            runtime.set_rng_state(d, state.clone())
         yield
-        after = [torch.get_rng_state()] + [torch.cuda.get_rng_state(d) for d in cuda]
+        after = [torch.get_rng_state()] + [runtime.rng_state(d) for d in own]
     if group.rank == 0:
         torch.set_rng_state(after[0])
-        for d, state in zip(cuda, after[1:]):
-            torch.cuda.set_rng_state(state, d)
+        for d, state in zip(own, after[1:]):
+            runtime.set_rng_state(d, state)
 
 
 def _post_order(

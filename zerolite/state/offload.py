@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from zerolite.comm import runtime
 from zerolite.config import ZeroConfig
 from zerolite.plan.offload import MASTER, OffloadLayout, chunk_bytes_for
 from zerolite.state.arena import DiskArena, HostArena
@@ -60,7 +61,7 @@ def check_offload(layout: OffloadLayout, config: ZeroConfig, device: torch.devic
                 f"rank's optimizer state needs {layout.nbytes} bytes. Free space, pick another "
                 "directory or lower offload_fraction"
             )
-    elif device.type == "cuda" and not pinning_available():
+    elif runtime.is_accelerator(device) and not pinning_available():
         raise ValueError(
             "ZeroConfig.offload: 'host' needs pinned host memory for a CUDA model (the "
             "streamed step's staging buffers), and this system cannot pin memory; use "
@@ -124,7 +125,7 @@ class OffloadTier:
     def staging_buffer(self, nbytes: int) -> torch.Tensor:
         """A staging buffer of exactly ``nbytes``: pinned for a CUDA model
         (`zerolite.state.pinned`)."""
-        return host_buffer(nbytes, pinned=self.device.type == "cuda")
+        return host_buffer(nbytes, pinned=runtime.is_accelerator(self.device))
 
     @property
     def arena_bytes(self) -> int:

@@ -5,10 +5,11 @@ rounds every block up to the next power of two and keeps freed blocks for reuse:
 buffer pins 16 GB, and freeing it gives nothing back. zerolite pins only what device copies
 stream through (the streamed step's staging buffers, an asynchronous save's staging area),
 and pins them in place instead: an ordinary host allocation of exactly ``nbytes``,
-page-locked with ``cudaHostRegister`` (as ``torch.distributed.checkpoint``'s stager does)
-and unregistered when its storage is freed. The kernel locks whole pages, so at most one
-page more than asked is locked. Without CUDA, or where registering fails, the buffer stays
-pageable: copies through it are then synchronous but still correct.
+page-locked with ``cudaHostRegister`` (as ``torch.distributed.checkpoint``'s stager does,
+through `zerolite.comm.runtime.register_host`) and unregistered when its storage is freed.
+The kernel locks whole pages, so at most one page more than asked is locked. Without CUDA,
+or where registering fails, the buffer stays pageable: copies through it are then
+synchronous but still correct.
 
 Memory that is only read and written by the host (the offload tier's host arena) is never
 pinned: pinning buys nothing there.
@@ -16,21 +17,18 @@ pinned: pinning buys nothing there.
 
 from __future__ import annotations
 
-import logging
 import weakref
 
 import torch
 
+from zerolite.comm import runtime
+
 __all__ = ["host_buffer", "pinning_available"]
-
-logger = logging.getLogger(__name__)
-
-_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every CUDA context
 
 
 def pinning_available() -> bool:
     """Whether host memory can be page-locked here (CUDA present and a register succeeds)."""
-    if not torch.cuda.is_available():
+    if not runtime.pinning_supported():
         return False
     probe = host_buffer(1, pinned=True)
     return probe.is_pinned()
@@ -48,29 +46,17 @@ def host_buffer(nbytes: int, *, pinned: bool) -> torch.Tensor:
         reports for it.
     """
     buffer = torch.empty(nbytes, dtype=torch.uint8)
-    if pinned and nbytes > 0 and torch.cuda.is_available():
+    if pinned and nbytes > 0 and runtime.pinning_supported():
         _register(buffer.untyped_storage())
     return buffer
 
 
 def _register(storage: torch.UntypedStorage) -> None:
     """Page-lock ``storage`` until it is freed (a finaliser unregisters it first)."""
-    cudart = torch.cuda.cudart()
     ptr = storage.data_ptr()
-    error = int(cudart.cudaHostRegister(ptr, storage.nbytes(), _REGISTER_PORTABLE))
-    if error != 0:
-        logger.warning(
-            "zerolite: cudaHostRegister of %d bytes failed (cudaError %d); the staging buffer "
-            "stays pageable and its device copies are synchronous", storage.nbytes(), error,
-        )
-        return
+    if not runtime.register_host(ptr, storage.nbytes()):
+        return  # logged there; the buffer stays pageable
     # The storage object lives exactly as long as its memory (torch keeps a storage's Python
     # object alive while any tensor uses it), so this runs before the memory is freed.
-    finalizer = weakref.finalize(storage, _unregister, ptr)
-    finalizer.atexit = False  # never after the CUDA context is gone
-
-
-def _unregister(ptr: int) -> None:
-    error = int(torch.cuda.cudart().cudaHostUnregister(ptr))
-    if error != 0:
-        logger.warning("zerolite: cudaHostUnregister failed (cudaError %d)", error)
+    finalizer = weakref.finalize(storage, runtime.unregister_host, ptr)
+    finalizer.atexit = False  # never after the device context is gone
