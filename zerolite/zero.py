@@ -370,7 +370,7 @@ def _wire_gradients(
         )
         for flat in flats
     ]
-    reducer = GradReducer(buckets, group)
+    reducer = GradReducer(buckets, group, stage=config.stage)
     if policy.shards_gradients:
         return reducer, ShardGradsInBackward(reducer)
     return reducer, KeepFullGrads(reducer)
