@@ -55,6 +55,7 @@ from zerolite.checkpoint.commit import (
 )
 from zerolite.checkpoint.format import (
     FORMAT,
+    LATEST,
     VERSION,
     CheckpointError,
     checkpoint_name_problem,
@@ -74,7 +75,11 @@ from zerolite.comm.collectives import Group
 from zerolite.comm.consensus import agreed
 from zerolite.comm.small_exchange import all_gather_bytes
 from zerolite.optim.multi import class_name
-from zerolite.optim.sharded_optimizer import ShardedOptimizer
+from zerolite.optim.sharded_optimizer import (
+    ShardedOptimizer,
+    require_model_of,
+    require_sharded_optimizer,
+)
 
 # model_only_tensors and state_dict_names are imported from here by load, pretrained and
 # zerolite.full_state_dict.
@@ -188,16 +193,20 @@ def save(
             separators, control characters, a leading '.'), ``extra`` or scheduler state is
             not JSON-serialisable, or ``path`` exists without ``overwrite`` -- before
             anything is written, on every rank.
-        TypeError: ``blocking`` is not a bool.
+        TypeError: ``blocking`` is not a bool; ``optimizer`` is not a `ShardedOptimizer`.
+        ValueError: ``model`` is not the model ``optimizer`` was sharded with (nor a
+            wrapper of it) -- before anything is written, on every rank.
         zerolite.checkpoint.CheckpointError: another job is saving into ``path``'s parent
             (it holds the root's lock) -- before anything is written, on every rank; the
             previous asynchronous save failed and no ``wait()`` reported it (on every rank,
             naming the failed rank and file).
     """
     path = Path(path)
+    optimizer = require_sharded_optimizer(optimizer, "zerolite.checkpoint.save()")
     group = optimizer.group.world
     with agreed("zerolite.checkpoint.save()", group):
         finish_in_flight()
+        require_model_of(model, optimizer, "zerolite.checkpoint.save()")
         _check_arguments(path, optimizer, overwrite=overwrite, blocking=blocking)
         # No json.dumps(extra) check here: _index encodes ``extra`` losslessly (int keys,
         # tuples, Counter...) and its ValueError names the key that cannot be stored.
@@ -299,6 +308,12 @@ def _check_arguments(
 
 
 def _check_target(path: Path, overwrite: bool) -> None:
+    pointer = path.parent / LATEST
+    if pointer.exists() and not pointer.is_file():
+        raise ValueError(
+            f"{pointer} exists and is not a file: zerolite keeps its pointer to the newest "
+            "checkpoint there; move it, or save into another directory"
+        )
     if path.exists() and not overwrite:
         raise ValueError(
             f"checkpoint path {path} already exists; pass overwrite=True to replace it"
