@@ -73,13 +73,17 @@ def _save_refusals(root: Path) -> None:
     assert ckpt.latest(root) == root / "good"
 
 
-def _object_in_group() -> None:
+def _object_in_group() -> str:
     """Equal objects whose repr differs between processes: the ranks agree."""
     model = _model()
-    opt = torch.optim.AdamW([{"params": model.parameters(), "tag": object()}])
+    # The ranks' histories differ, as a real job's do: the object lands at another address.
+    history = [object() for _ in range(1 + 997 * dist.get_rank())]
+    tag = object()
+    opt = torch.optim.AdamW([{"params": model.parameters(), "tag": tag}])
     opt = zerolite.shard(model, opt, zerolite.ZeroConfig(stage=2))
     model(torch.ones(3, 4)).sum().backward()
     opt.step()
+    return f"{tag!r} {len(history)}"
 
 
 def _edited_hyperparameters(root: Path) -> list[str]:
@@ -120,17 +124,20 @@ def _cases(root: str) -> dict:
         (root / "save").mkdir(parents=True)
     dist.barrier()
     _save_refusals(root / "save")
-    _object_in_group()
     return {
+        "object": _object_in_group(),
         "edited": _edited_hyperparameters(root),
         "hybrid": _hybrid_inspect(root),
     }
 
 
 def test_small_mistakes_get_clear_errors(tmp_path):
-    for result in run_ranks(_cases, 2, str(tmp_path), timeout=180):
+    results = run_ranks(_cases, 2, str(tmp_path), timeout=180)
+    for result in results:
         assert all("this optimizer holds" in e for e in result["edited"]), result["edited"]
         assert result["hybrid"]["replicas"] == 2 and result["hybrid"]["world_size"] == 1
+    reprs = {result["object"].split()[-2] for result in results}
+    assert len(reprs) == 2, reprs  # the ranks' objects had different addresses: they agreed
 
 
 def test_inspect_names_replicas_of_a_flat_checkpoint(tmp_path):
