@@ -10,7 +10,11 @@ or the right answer.
 - ``zerolite inspect`` of a hybrid checkpoint names its replica groups;
 - ``zerolite estimate --offload-fraction`` without ``--offload`` (silently ignored);
 - a hand-edited, re-sealed index whose hyperparameter has the wrong kind (``betas: "oops"``)
-  is refused at load, naming the key, with the optimizer unchanged.
+  is refused at load, naming the key, with the optimizer unchanged;
+- ``shard()`` of a model whose trained parameters have mixed dtypes (a bf16 layer in an fp32
+  model), or are float64, without an explicit ``param_dtype`` (every parameter was cast to
+  fp32, silently) is refused on every rank with the model untouched (item 5); with
+  ``param_dtype`` set, the cast is what was asked for and happens.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from tests.test_cli import COUNT, _assert_one_line, _main
 from zerolite import checkpoint as ckpt
 from zerolite.checkpoint import CheckpointError
 from zerolite.checkpoint.format import INDEX, INDEX_DIGEST, index_digest_text
+from zerolite.state.shard_state import state_of
 from zerolite.testing import run_ranks
 
 
@@ -112,6 +117,31 @@ def _edited_hyperparameters(root: Path) -> list[str]:
     return errors
 
 
+def _dtype_refusals() -> list[str]:
+    errors = []
+    for convert, needle in (
+        (lambda m: m[0].to(torch.bfloat16), r"mixed dtypes \('0.weight' is torch.bfloat16, "
+                                            r"'1.weight' is torch.float32"),
+        (lambda m: m.double(), r"parameters are torch.float64 \('0.weight' is torch.float64"),
+    ):
+        model = _model()
+        convert(model)
+        before = {n: (p.dtype, p.data_ptr()) for n, p in model.named_parameters()}
+        with pytest.raises(ValueError, match=needle) as e:
+            zerolite.shard(model, torch.optim.AdamW(model.parameters()))
+        assert {n: (p.dtype, p.data_ptr()) for n, p in model.named_parameters()} == before
+        assert state_of(model) is None  # shardable again
+        errors.append(str(e.value))
+        zerolite.shard(  # asked for: cast
+            model, torch.optim.AdamW(model.parameters()),
+            zerolite.ZeroConfig(param_dtype=torch.float32),
+        )
+        assert {p.dtype for p in model.parameters()} == {torch.float32}
+    uniform = _model().to(torch.bfloat16)  # one dtype: sharded as before
+    zerolite.shard(uniform, torch.optim.AdamW(uniform.parameters()))
+    return errors
+
+
 def _hybrid_inspect(root: Path) -> dict:
     model, opt = _trained(shard_group_size=1)
     ckpt.save(root / "hybrid", model, opt)
@@ -126,6 +156,7 @@ def _cases(root: str) -> dict:
     _save_refusals(root / "save")
     return {
         "object": _object_in_group(),
+        "dtypes": _dtype_refusals(),
         "edited": _edited_hyperparameters(root),
         "hybrid": _hybrid_inspect(root),
     }

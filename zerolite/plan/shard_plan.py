@@ -25,6 +25,7 @@ from zerolite.plan.inputs import (
     check_model,
     check_nothing_on_meta,
     check_one_device,
+    check_param_dtypes,
     refuse_sparse_gradients,
     trained_parameters,
 )
@@ -175,6 +176,7 @@ def plan_layout(
         )
     refuse_sparse_gradients(model, group_of)
     source = check_one_device(managed)
+    check_param_dtypes(managed, config)
     on_meta = source.type == "meta"
     if on_meta:
         check_meta_build(model, optimizers, config)
