@@ -3,7 +3,8 @@ diagnosis (issue 35, item 7); each now gets zerolite's own error, before anythin
 or the right answer.
 
 - ``checkpoint.save()`` with a plain torch optimizer (was ``AttributeError``), with another
-  model's sharded optimizer (was ``KeyError``);
+  model's sharded optimizer (was ``KeyError``), with a different path on each rank (an
+  asynchronous save waited ``timeout_s``; item 4);
 - a checkpoint named ``latest``, or a ``latest`` directory in the root (``save`` raised after
   the commit);
 - an ``object()`` in a param group (a false ``RankMismatchError``: its repr holds an address);
@@ -76,6 +77,19 @@ def _save_refusals(root: Path) -> None:
     assert [p.name for p in (root / "in_the_way").iterdir()] == ["latest"]
     ckpt.save(root / "good", other, other_opt)  # the right pair still saves
     assert ckpt.latest(root) == root / "good"
+
+
+def _different_paths(root: Path) -> None:
+    """Each rank its own path, blocking and not: refused at the call on every rank (an
+    asynchronous save used to wait timeout_s, 600 s here, for the others' files)."""
+    model, opt = _trained()
+    rank = dist.get_rank()
+    for blocking in (True, False):
+        mine = root / f"rank{rank}-{blocking}"
+        with pytest.raises(ValueError, match=r"the ranks passed different paths \(rank 0: "
+                           r".*rank0-.*, rank 1: .*rank1-"):
+            ckpt.save(mine, model, opt, blocking=blocking)
+        assert not mine.exists()
 
 
 def _object_in_group() -> str:
@@ -154,6 +168,7 @@ def _cases(root: str) -> dict:
         (root / "save").mkdir(parents=True)
     dist.barrier()
     _save_refusals(root / "save")
+    _different_paths(root)
     return {
         "object": _object_in_group(),
         "dtypes": _dtype_refusals(),
