@@ -4,6 +4,7 @@
 #                        then the test suite, which runs every Python block of the docs
 #                        (tests/test_docs.py) (what .ci/run runs)
 #   make docs-serve    - preview the docs site (docs/, mkdocs.yml) at http://127.0.0.1:8000
+#   make test-matrix   - every accepted combination of features (slow; tests/combination_matrix.py)
 #   make test-kernels  - the numerics tests under other CPUs' kernel families (README, Tests)
 #   make gpu-check     - everything one GPU can check (tests/gpu_check.py: the cuda-marked tests,
 #                        world size 1 on NCCL and 2 on gloo over CUDA tensors, the step-time and
@@ -44,7 +45,7 @@ KERNELS_avx512_bf16 := ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16 MKL_ENABLE_INSTRUCTIO
   ATEN_CPU_CAPABILITY=avx512
 KERNEL_FAMILIES ?= native avx2 avx512
 
-.PHONY: test test-kernels example env gpu-check docs docs-serve
+.PHONY: test test-matrix test-kernels example env gpu-check docs docs-serve
 
 env: $(STAMP)
 
@@ -66,6 +67,11 @@ docs: $(STAMP)
 
 docs-serve: $(STAMP)
 	$(VENV)/bin/mkdocs serve
+
+# Every accepted combination of features (tests/combination_matrix.py), not only the pairwise
+# set that `make test` runs: long.
+test-matrix: $(STAMP)
+	$(VENV)/bin/python -m pytest -q -m slow tests/test_combination_matrix.py
 
 test-kernels: $(STAMP)
 	@set -e; $(foreach family,$(KERNEL_FAMILIES),\

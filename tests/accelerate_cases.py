@@ -115,7 +115,10 @@ class _Batches(torch.utils.data.Dataset):
 
 
 def _refusals(accelerator, out_dir: Path) -> dict:
-    """save_state never replaces a checkpoint silently; what each attempt did, by name."""
+    """save_state replaces what this run saved (or resumed from), never another run's
+    checkpoint; what each attempt did, by name."""
+    from zerolite.checkpoint.run_folders import RUN_FILE
+
     model = make_model(False)
     opt = parity.make_optimizer("AdamW", model)
     model, opt = accelerator.prepare(model, opt)
@@ -129,12 +132,27 @@ def _refusals(accelerator, out_dir: Path) -> dict:
             outcome[key] = str(exc)
 
     explicit = out_dir / "explicit_state"
-    attempt("first", explicit)
     index = explicit / "zerolite_0" / "index.json"
+    attempt("first", explicit)
     before = index.stat().st_mtime_ns
-    attempt("again", explicit)
+    attempt("again", explicit)  # this run's own folder: replaced, as stock Accelerate does
+    outcome["replaced"] = index.stat().st_mtime_ns != before
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:  # as if another run had written it
+        (explicit / RUN_FILE).write_text(json.dumps({"run": "another-run"}))
+    accelerator.wait_for_everyone()
+    before = index.stat().st_mtime_ns
+    attempt("foreign", explicit)
     outcome["untouched"] = index.stat().st_mtime_ns == before
-    attempt("overwrite", explicit, overwrite=True)
+    plain = out_dir / "plain_folder"  # files without a marker: not this run's either
+    if accelerator.is_main_process:
+        plain.mkdir()
+        (plain / "notes.txt").write_text("kept")
+    accelerator.wait_for_everyone()
+    attempt("unmarked", plain)
+    accelerator.load_state(explicit)  # this run now continues the other one
+    attempt("resumed", explicit)
+    attempt("overwrite", plain, overwrite=True)
     project = accelerator.project_configuration
     project.set_directories(str(out_dir / "auto_project"))
     project.automatic_checkpoint_naming, project.total_limit, project.iteration = True, 1, 0

@@ -273,20 +273,31 @@ def _generate_in_eval_callback(out: Path) -> dict[str, Any]:
 
 
 def _bf16(out: Path) -> dict[str, Any]:
+    import zerolite
     from zerolite.hf import ZeroTrainer
 
     trainer = ZeroTrainer(
         model=make_model(), args=make_args(out, max_steps=2, bf16=True), train_dataset=TokenData()
     )
     trainer.train()
+    trainer.save_model(str(out / "model"))  # as the stock --bf16 run: fp32 (the masters)
+    masters = zerolite.full_state_dict(trainer.model, masters=True)
     opt = trainer.optimizer.optimizer
-    return {
+    result = {
         "stage": trainer.zero_config.stage,
         "param_dtypes": sorted({str(p.dtype) for p in trainer.model.parameters()}),
         "master_dtypes": sorted({str(p.dtype) for g in opt.param_groups for p in g["params"]}),
         "finite": bool(steps(trainer)) and all(
             torch.isfinite(torch.tensor(s[1:])).all().item() for s in steps(trainer)),
     }
+    if dist.get_rank() == 0:
+        from transformers import AutoModelForCausalLM
+
+        loaded = AutoModelForCausalLM.from_pretrained(out / "model")
+        state = loaded.state_dict()
+        result["saved_dtype"] = str(loaded.dtype)
+        result["saved_is_masters"] = all(torch.equal(state[k], v) for k, v in masters.items())
+    return result
 
 
 def _save_model(out: Path) -> dict[str, Any]:
@@ -357,7 +368,6 @@ def bad_arguments(out: str) -> dict[str, str]:
     cases: dict[str, tuple[dict[str, Any], Any]] = {
         "deepspeed": ({}, None),
         "fsdp": ({"fsdp": "full_shard"}, None),
-        "torch_compile": ({"torch_compile": True}, None),
         "auto_find_batch_size": ({"auto_find_batch_size": True}, None),
         "bf16_full_eval": ({"bf16_full_eval": True}, None),
         "fp16_full_eval": ({"fp16_full_eval": True}, None),
@@ -397,4 +407,21 @@ def bad_arguments(out: str) -> dict[str, str]:
             messages[name] = "no error"
         except (ValueError, TypeError) as exc:
             messages[name] = f"{type(exc).__name__}: {exc}"
+    messages["cpu_launch"] = _cpu_launch_without_use_cpu(out)
     return messages
+
+
+def _cpu_launch_without_use_cpu(out: str) -> str:
+    """torchrun on CPU without ``--use_cpu``: Accelerate sees one process (last: it resets
+    Accelerate's process state, which every Trainer of this launch shares)."""
+    from accelerate.state import AcceleratorState
+
+    from zerolite.hf import ZeroTrainer
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    try:
+        ZeroTrainer(model=make_model(), args=make_args(Path(out) / "cpu", use_cpu=False),
+                    train_dataset=TokenData())
+    except RuntimeError as exc:
+        return f"RuntimeError: {exc}"
+    return "no error"

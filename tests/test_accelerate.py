@@ -166,11 +166,17 @@ def test_save_state_then_load_state_in_new_processes_resumes_bitwise(runs):
     )
 
 
-def test_save_state_never_replaces_a_checkpoint_silently(runs):
+def test_save_state_replaces_its_own_checkpoint_never_another_runs(runs):
     outcome = json.loads((runs / "refusals2.json").read_text())
-    assert outcome["first"] == outcome["overwrite"] == outcome["auto_first"] == "saved"
-    assert "explicit_state already holds files" in outcome["again"]
-    assert "overwrite=True" in outcome["again"] and outcome["untouched"]
+    # This run's folder (saved twice in a row, as run_clm_no_trainer.py does under
+    # accumulation) is replaced; so is one this run resumed from with load_state.
+    assert outcome["first"] == outcome["again"] == outcome["resumed"] == "saved", outcome
+    assert outcome["replaced"]
+    for key in ("foreign", "unmarked"):  # another run's marker, or files without one
+        assert "holds files that this run did not write" in outcome[key], outcome[key]
+        assert "overwrite=True" in outcome[key]
+    assert outcome["untouched"]  # refused before anything was written
+    assert outcome["overwrite"] == outcome["auto_first"] == "saved"
     assert "checkpoint_0 already exists" in outcome["auto_again"]
     assert outcome["auto_kept"] == ["checkpoint_0"]  # refused before pruning
 

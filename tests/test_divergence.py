@@ -8,12 +8,15 @@
   alone: every rank raises (`RankMismatchError` or `CollectiveTimeout`) within
   ``ZeroConfig.timeout_s`` (not gloo's timeout: the launch would time out first), naming
   the operation and the step; no rank finishes its loop.
+- Stage 3's ``model.state_dict()`` gathers every unit: a rank that calls it alone raises
+  `CollectiveTimeout` naming the call after ``timeout_s``, before any unit is gathered.
 - Parameters appended to an optimizer group after ``shard()`` are refused at ``step()``.
 """
 
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -184,6 +187,35 @@ def test_a_diverging_rank_raises_on_every_rank(stage, how, tmp_path):
     assert not timeouts or any(bounded in e for e in timeouts), timeouts
     if how == "save_alone":
         assert any("checkpoint.save()" in r["error"] for r in results), results
+
+
+def _state_dict_alone_rank(root: str) -> dict:
+    """Rank 0 takes the stage-3 state dict; rank 1 does not, and waits until rank 0 is done."""
+    model = parity.make_model()
+    zerolite.shard(model, parity.make_optimizer("AdamW", model),
+                   zerolite.ZeroConfig(stage=3, timeout_s=TIMEOUT_S))
+    done = Path(root) / "rank0-done"
+    if dist.get_rank() == 1:
+        deadline = time.monotonic() + LAUNCH_S
+        while not done.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return {"error": None}
+    start = time.monotonic()
+    try:
+        model.state_dict()
+        return {"error": None}
+    except zerolite.CollectiveTimeout as exc:
+        return {"error": str(exc), "seconds": time.monotonic() - start}
+    finally:
+        done.touch()
+
+
+def test_a_stage3_state_dict_taken_alone_raises_naming_the_call(tmp_path):
+    rank0, _ = run_ranks(_state_dict_alone_rank, 2, str(tmp_path), timeout=LAUNCH_S)
+    assert rank0["error"] is not None, "model.state_dict() finished without rank 1"
+    assert "model.state_dict()" in rank0["error"], rank0["error"]
+    assert f"timeout_s={TIMEOUT_S:g}s" in rank0["error"], rank0["error"]
+    assert rank0["seconds"] >= TIMEOUT_S, rank0
 
 
 def _appended_param_rank() -> dict:

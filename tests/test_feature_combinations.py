@@ -22,9 +22,10 @@ exchange across replica groups ran (bytes across "nodes" of 2 ranks).
    optimizer state (read through the tier) and non-zero residuals of the call.
 4. offload + ``quantize_gather`` / ``quantize_reduce``, stage 2 bf16: bitwise the quantized
    run in memory.
-5. the refused combinations (offload + "tensor", quantization + "tensor", async save +
-   hybrid) raise a ValueError naming both settings on every rank, before the model, the
-   inner optimizers or the checkpoint directory change.
+5. the refused combinations (offload + "tensor", quantization + "tensor") raise a
+   ValueError naming both settings on every rank, before the model or the inner
+   optimizers change; ``save(blocking=False)`` under hybrid + ``quantize_reduce`` writes,
+   from the first replica group, the state at the call with every replica's residuals.
 6. hybrid (k = 2) + ``quantize_gather`` / ``quantize_reduce`` / both, stage 2 bf16, and
    both at stage 3 fp32, against the same hybrid unquantized: per-step loss within the
    quantized tests' 1e-2 relative; the two replicas of each shard bitwise equal (masters,
@@ -219,38 +220,21 @@ def _refused(recipe: str, **config) -> dict:
 
 
 def _refusals(where: str) -> dict:
-    out = {
+    return {
         "offload+tensor": _refused("muon+adamw", stage=2, partition="tensor", offload="disk",
                                    offload_dir=where),
         "quantize+tensor": _refused("muon+adamw", stage=2, partition="tensor",
                                     quantize_gather=True),
     }
-    # Async save with hybrid: refused in save(), before anything is written or changed.
-    model, opt = _build(_config(2, torch.float32, shard_group_size=2))
-    _train(model, opt, parity.batches(1))
-    before = _full(model)
-    pieces = {(p.name, p.param_start): p.read_state() for p in opt.shard_state.pieces()}
-    path = Path(where) / "async-hybrid"
-    try:
-        ckpt.save(path, model, opt, blocking=False)
-        message = None
-    except ValueError as exc:
-        message = str(exc)
-    after = {(p.name, p.param_start): p.read_state() for p in opt.shard_state.pieces()}
-    dist.barrier()
-    out["async+hybrid"] = {
-        "message": message,
-        "untouched": _bitwise(_full(model), before) and not path.exists()
-        and all(torch.equal(v, after[key][f]) for key, s in pieces.items()
-                for f, v in s.items() if isinstance(v, torch.Tensor)),
-    }
-    return out
 
 
 def _four_ranks(where: str) -> dict:
     out = {"offload": _hybrid_offload(where), "tensor": _hybrid_tensor(),
            "quantized": _hybrid_quantized()}
     out["refusals"] = _refusals(where)
+    # Async save under hybrid, with residuals within and across the shard groups.
+    out["async_hybrid"] = _async_case(Path(where) / "async-hybrid", lambda: _build(
+        _config(2, torch.float32, shard_group_size=K, quantize_reduce=True)))
     return out
 
 
@@ -297,9 +281,10 @@ def _quantized_problems(got: dict, base: dict, *, gather: bool, reduce: bool,
 
 
 def _replica_problems(got: dict, *, quantized: bool = False) -> list[str]:
-    """Hybrid sharding ran its exchange across replica groups: a float all-reduce of the
-    gradient shards across nodes, or (``quantized``, ``quantize_reduce``) uint8 point-to-point
-    messages across nodes, no float all-reduce there and non-zero cross-node residuals."""
+    """Hybrid sharding ran its exchange across replica groups: the gradient shards crossed
+    nodes in floats (on gloo a point-to-point reduce-scatter and all-gather of R parts), or
+    (``quantized``, ``quantize_reduce``) as uint8 point-to-point messages only, with non-zero
+    cross-node residuals."""
     wire = got["wire"]  # mean_over_ranks/across: the test's own loss average, left out
     across = {k: v for k, v in wire.items()
               if k.endswith("/across") and not k.startswith("mean_over_ranks")}
@@ -308,7 +293,8 @@ def _replica_problems(got: dict, *, quantized: bool = False) -> list[str]:
         ok = p2p and all(v["dtypes"] == ["uint8"] and v["bytes"] > 0 for v in p2p) and (
             "all_reduce/across" not in wire) and got["cross_residuals"] > 0
     else:
-        ok = _sent(wire, "all_reduce/across")[0] > 0 and set(across) == {"all_reduce/across"}
+        ok = set(across) == {"reduce_scatter/across", "all_gather/across"} and all(
+            v["bytes"] > 0 and "uint8" not in v["dtypes"] for v in across.values())
     return [] if ok else [f"replica exchange ({quantized=}) not seen: {across}, cross residuals "
                           f"{got['cross_residuals']}"]
 
@@ -378,7 +364,6 @@ def test_hybrid_with_quantization_stays_close_and_replicas_identical(four) -> No
 REFUSALS = {
     "offload+tensor": ("offload", "partition='tensor'"),
     "quantize+tensor": ("quantize_gather", "partition='tensor'"),
-    "async+hybrid": ("blocking=False", "shard_group_size"),
 }
 
 
@@ -392,6 +377,18 @@ def test_refused_combinations_raise_on_every_rank_untouched(four, case) -> None:
         assert got["untouched"], (r, case)
 
 
+def test_async_save_under_hybrid_writes_the_state_at_the_call(four) -> None:
+    """Hybrid (k = 2 of 4) + ``quantize_reduce``: the first replica group writes while two
+    steps run, the other replicas' residuals (within and across shard groups) gathered
+    before the call returned; a fresh hybrid model loads the parameters, masters, optimizer
+    state and every residual of the call, bit for bit, on every rank."""
+    for r, rep in enumerate(four):
+        got = rep["async_hybrid"]
+        assert got["held"] and got["moved"], (r, got)
+        assert got["equal"], f"rank {r}: the loaded state is not the state at the call"
+        assert got["residuals"] > 1, (r, got["residuals"])  # within and across
+
+
 # ---------------------------------------------------------------- 3, 4: 2 ranks
 
 
@@ -402,7 +399,7 @@ def _snapshot(model, opt) -> dict:
     for p in opt.shard_state.pieces():
         entry = {k: v.clone() for k, v in p.read_state().items() if isinstance(v, torch.Tensor)}
         state[p.name, p.param_start] = {"master": p.read_master().clone(), **entry}
-    residuals = [f.exchange.residual.clone() for f in opt.flats if f.exchange.residual is not None]
+    residuals = [r.clone() for f in opt.flats for r in f.exchange.residuals]
     return {"params": _full(model), "state": state, "residuals": residuals}
 
 

@@ -216,11 +216,19 @@ def _eval_and_state_case() -> dict:
     gathered_only = sum((dist.get_world_size() - 1) * f.layout.shard_numel for f in opt.flats)
     assert spy.elements == gathered_only
     assert not any(f.unsharded for f in opt.flats)
-    # model.state_dict() is refused; full_state_dict gathers; shapes are the full ones.
-    with pytest.raises(RuntimeError, match="zerolite.full_state_dict"):
-        model.state_dict()
-    full = zerolite.full_state_dict(model, rank0_only=False)
+    # model.state_dict() on every rank gathers unit by unit to the CPU, as full_state_dict
+    # does; keep_vars=True (whose entries would be the freed parameters) is refused.
     ref_sd = reference.state_dict()
+    plain = model.state_dict()
+    assert list(plain) == list(ref_sd)
+    for k in ref_sd:
+        assert plain[k].device.type == "cpu" and torch.equal(plain[k], ref_sd[k]), k
+    assert not any(f.unsharded for f in opt.flats)  # each unit freed again
+    with pytest.raises(RuntimeError, match="keep_vars=True"):
+        model.state_dict(keep_vars=True)
+    with pytest.raises(RuntimeError, match="one stage-3 unit on its own"):
+        model.blocks[0].state_dict()
+    full = zerolite.full_state_dict(model, rank0_only=False)
     assert list(full) == list(ref_sd)
     for k in ref_sd:
         assert torch.equal(full[k], ref_sd[k]), k

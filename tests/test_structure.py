@@ -33,7 +33,7 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
     ("memory", frozenset({"memory"})),
     ("faces", frozenset({
         "__init__", "__main__", "zero", "gathered", "testing", "pytest_plugin", "accelerate",
-        "hf", "cli",
+        "hf", "cli", "saving",
     })),
 )
 MAX_TOP_LEVEL_MODULES = 16

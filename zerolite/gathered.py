@@ -4,9 +4,16 @@ Stage 3 keeps only shards between uses. These gather on request -- all units at 
 inside `gathered_parameters` (for inspection, custom initialisation, or an edit made on
 one rank and broadcast), or one unit at a time in `iter_full_state_dict` (streaming a
 full state dict with a peak of one unit) and `full_state_dict` (the unsharded
-``model.state_dict()``, which stage 3 refuses, copied out unit by unit, so the device never
-holds more than one extra unit). In stages 1-2 parameters are always full and all three
-are cheap.
+``model.state_dict()`` copied out unit by unit, so the device never holds more than one
+extra unit; at stage 3 ``model.state_dict()`` itself gathers the same way,
+`zerolite.params.state_dict_hooks`). In stages 1-2 parameters are always full and all
+three are cheap.
+
+With ``masters=True`` the trained parameters come from the fp32 masters instead of the
+16-bit compute copy: each trained flat buffer's master shards are all-gathered, exactly
+(never through a quantized wire), one buffer at a time. That is what an unsharded run
+with fp32 parameters and autocast would save; with fp32 parameters the masters are the
+parameters and nothing extra travels.
 """
 
 from __future__ import annotations
@@ -18,9 +25,11 @@ import torch
 from torch import nn
 
 from zerolite.checkpoint.rank_file import state_dict_names
-from zerolite.comm.collectives import broadcast
+from zerolite.comm.collectives import all_gather_inplace, broadcast
+from zerolite.comm.owned import gather_from_owners
+from zerolite.params.flat_buffer import FlatParamBuffer
 from zerolite.params.unit_scheduler import UnitScheduler
-from zerolite.state.shard_state import require_state, state_of
+from zerolite.state.shard_state import ShardState, require_state, state_of
 
 __all__ = ["full_state_dict", "gathered_parameters", "iter_full_state_dict"]
 
@@ -93,7 +102,7 @@ def gathered_parameters(model: nn.Module, modifier_rank: int | None = None) -> I
 
 @torch.no_grad()
 def iter_full_state_dict(
-    model: nn.Module, to_cpu: bool = True
+    model: nn.Module, to_cpu: bool = True, *, masters: bool = False
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(name, tensor)`` of the full state dict, gathering one unit at a time.
 
@@ -101,18 +110,28 @@ def iter_full_state_dict(
     copies (on CPU by default). Names and order are those of ``model.state_dict()``,
     except that parameters come unit by unit and buffers at the end; a tied parameter
     is yielded under each of its names (the same tensor).
+
+    Args:
+        model: a sharded model (any stage) or a plain one.
+        to_cpu: copy to the CPU (else clones on the model's device).
+        masters: trained parameters from the fp32 masters, every other floating-point
+            parameter upcast to float32 (buffers as they are); see the module docstring.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"iter_full_state_dict() needs an nn.Module, got {type(model).__name__}")
     state = state_of(model)
     scheduler: UnitScheduler | None = None if state is None else state.scheduler
+    gather_masters = masters and state is not None and any(not m.is_view for m in state.masters)
     if scheduler is None:
+        exact = {} if not gather_masters else _master_values(state, state.flats)
         shared: dict[int, torch.Tensor] = {}
         for name, tensor in model.state_dict(keep_vars=True).items():
             if id(tensor) not in shared:
-                shared[id(tensor)] = _copy(tensor, to_cpu)
+                source = exact.get(id(tensor), tensor)
+                shared[id(tensor)] = _copy(source, to_cpu, upcast=masters and _is_param(tensor))
             yield name, shared[id(tensor)]
         return
+    assert state is not None  # a scheduler exists only for a sharded model
     scheduler.refresh_stale()
     scheduler.allow_state_dict = True
     try:
@@ -125,19 +144,50 @@ def iter_full_state_dict(
     done: set[int] = set()
     for i in range(state.num_units):
         with state.gather(i) as flats:
+            exact = {} if not gather_masters else _master_values(state, flats)
             for p in (p for flat in flats for p in flat.params):
-                copy = _copy(p, to_cpu)
+                copy = _copy(exact.get(id(p), p), to_cpu, upcast=masters)
                 for name in names_of.get(id(p), []):
                     yield name, copy
                 done.add(id(p))
     for name, tensor in entries.items():
         if id(tensor) not in done:
-            yield name, _copy(tensor, to_cpu)
+            yield name, _copy(tensor, to_cpu, upcast=masters and _is_param(tensor))
+
+
+def _master_values(state: ShardState, flats: list[FlatParamBuffer]) -> dict[int, torch.Tensor]:
+    """``id(param) -> its full fp32 master values`` (in the parameter's shape) for the
+    trained buffers among ``flats``: each buffer's master pieces are written where this
+    rank's shard lies in a padded fp32 buffer, and the shards are all-gathered, exactly,
+    over the buffer's shard group (uneven chunks with whole-tensor ownership). Every rank
+    calls, with the same ``flats``."""
+    pieces: dict[int, list] = {}
+    for piece in state.pieces():
+        pieces.setdefault(id(piece.flat), []).append(piece)
+    trained = {id(m.flat) for m in state.masters}
+    out: dict[int, torch.Tensor] = {}
+    for flat in (f for f in flats if id(f) in trained):
+        full = torch.zeros(flat.layout.padded_numel, dtype=torch.float32, device=flat.data.device)
+        lo, _ = flat.layout.shard_range(flat.rank)
+        for piece in pieces.get(id(flat), []):
+            start = lo + piece.span.shard_start
+            full[start : start + piece.span.numel] = piece.read_master().reshape(-1)
+        exchange, what = flat.exchange, f"the fp32 master all-gather of flat buffer {flat.index}"
+        sizes = flat.layout.chunk_sizes
+        pending = (
+            all_gather_inplace(full, exchange.group, key=exchange.gather_key, what=what)
+            if sizes is None
+            else gather_from_owners(full, sizes, exchange.group, key=exchange.gather_key, what=what)
+        )
+        pending.wait()
+        for i, p in enumerate(flat.params):
+            out[id(p)] = flat.param_view(full, i)
+    return out
 
 
 @torch.no_grad()
 def full_state_dict(
-    model: nn.Module, rank0_only: bool = True, to_cpu: bool = True
+    model: nn.Module, rank0_only: bool = True, to_cpu: bool = True, *, masters: bool = False
 ) -> dict[str, torch.Tensor]:
     """The model's full state dict (names and shapes of the unsharded ``model.state_dict()``).
 
@@ -150,6 +200,10 @@ def full_state_dict(
         rank0_only: only rank 0 keeps the tensors; other ranks get ``{}`` (they still
             take part in the gathers).
         to_cpu: copy tensors to CPU (else clones on the model's device).
+        masters: trained parameters from the fp32 masters (an all-gather of the master
+            shards even in stages 1-2 when parameters are 16-bit), every other
+            floating-point parameter upcast to float32; buffers as they are. This is what
+            an unsharded run with fp32 parameters under autocast holds.
     Returns:
         ``name -> tensor`` copies, in ``model.state_dict()`` order.
     """
@@ -158,7 +212,7 @@ def full_state_dict(
     rank = scheduler.group.world.rank if scheduler is not None else _rank()
     keep = not rank0_only or rank == 0
     items = {}
-    for name, tensor in iter_full_state_dict(model, to_cpu=to_cpu):
+    for name, tensor in iter_full_state_dict(model, to_cpu=to_cpu, masters=masters):
         if keep:  # other ranks only take part in the gathers
             items[name] = tensor
     if not keep:
@@ -170,6 +224,13 @@ def _rank() -> int:
     return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
 
 
-def _copy(t: torch.Tensor, to_cpu: bool) -> torch.Tensor:
+def _is_param(t: torch.Tensor) -> bool:
+    return isinstance(t, nn.Parameter)
+
+
+def _copy(t: torch.Tensor, to_cpu: bool, *, upcast: bool = False) -> torch.Tensor:
+    """A copy of ``t`` (on the CPU if ``to_cpu``); floating point upcast to float32 if
+    ``upcast``."""
     t = t.detach()
-    return t.to("cpu", copy=True) if to_cpu else t.clone()
+    dtype = torch.float32 if upcast and t.is_floating_point() else t.dtype
+    return t.to("cpu" if to_cpu else t.device, dtype=dtype, copy=True)

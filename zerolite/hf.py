@@ -16,8 +16,12 @@ Accelerate integration (`zerolite.accelerate.ZeroAccelerator`) plus Trainer's fi
   DDP does and the logged ``grad_norm`` is DDP's; its ``backward`` applies zerolite's fp16
   loss scale. Trainer's own gradient accumulation, LR schedulers, evaluation and
   prediction run unchanged.
-- ``save_model`` gathers the parameters unit by unit to rank 0 (`full_state_dict`) and
-  writes them with the model's ``save_pretrained``: ``from_pretrained`` loads the result.
+- ``save_model`` gathers the parameters unit by unit to rank 0 and writes them with the
+  model's ``save_pretrained``: ``from_pretrained`` loads the result. With 16-bit parameters
+  it writes the fp32 masters, as the stock Trainer (fp32 parameters under autocast) does,
+  and ``config.json`` says float32 (``save_dtype``, `zerolite.saving`).
+- ``args.torch_compile``: the model is compiled after zerolite has sharded it
+  (`zerolite.accelerate.ZeroAccelerator.prepare_model`).
 - ``checkpoint-N/`` keeps Trainer's files (weights as above, ``trainer_state.json``,
   ``scheduler.pt``, ``rng_state_*.pth``) but holds the optimizer as ``zerolite/``, a
   `zerolite.checkpoint` (fp32 masters and optimizer state, every rank its own file) instead
@@ -38,6 +42,7 @@ private (no public hook exists; checked against transformers 5.24)
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 from pathlib import Path
 from typing import Any
@@ -51,12 +56,13 @@ from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
 import zerolite.checkpoint
 from zerolite.accelerate import ZeroAccelerator, check_launch
 from zerolite.checkpoint.pending_save import finish_in_flight_everywhere
+from zerolite.checkpoint.run_folders import RunFolders
 from zerolite.checkpoint.trainer_resume import check_steps, newest_complete
 from zerolite.comm import runtime
 from zerolite.config import ZeroConfig
-from zerolite.gathered import full_state_dict
 from zerolite.optim.sharded_optimizer import ShardedOptimizer
 from zerolite.plan.optimizers import check_optimizer
+from zerolite.saving import check_save_dtype, weights_for_saving
 
 __all__ = ["ZERO_CHECKPOINT_DIR", "ZeroTrainer", "ZeroTrainerMixin", "zero_config_for_args"]
 
@@ -67,11 +73,6 @@ _UNSUPPORTED = (
     ("deepspeed", "DeepSpeed shards the model itself; use ZeroTrainer or DeepSpeed, not both"),
     ("fsdp", "FSDP shards the model itself; use ZeroTrainer or FSDP, not both"),
     ("parallelism_config", "tensor, context and sequence parallelism are not supported"),
-    (
-        "torch_compile",
-        "Trainer's compile path is not tested with ZeroTrainer; torch.compile on a sharded "
-        "model is (docs/limits.md, torch.compile)",
-    ),
     ("auto_find_batch_size", "a retry would re-wrap a model that is already sharded in place"),
     (
         "fp16_full_eval",
@@ -143,14 +144,37 @@ def _refuse_unsupported(args: Any) -> None:
         )
 
 
-def _adopt(accelerator: Accelerator, config: ZeroConfig) -> ZeroAccelerator:
+# How a Trainer launched by torchrun runs its processes on CPU (the Accelerator reads both).
+_TRAINER_CPU_HINT = (
+    "On CPU, pass --use_cpu (TrainingArguments(use_cpu=True)) or set ACCELERATE_USE_CPU=1 "
+    "for torchrun; with accelerate launch, use a config with distributed_type: MULTI_GPU, "
+    "use_cpu: true, num_processes: N (see examples/accelerate/)."
+)
+
+
+def _follow_trainer_log_level(args: Any) -> None:
+    """zerolite's info lines (the one ``shard()`` logs) at the Trainer's log level.
+
+    Scripts such as transformers' ``run_clm.py`` configure transformers' logger from
+    ``args.log_level`` and leave the root logger at WARNING, which would drop zerolite's
+    info line. Like Trainer for transformers' logger, ZeroTrainer sets the ``zerolite``
+    logger's level from ``args.get_process_log_level()`` -- unless the user set it.
+    """
+    zerolite_logger = logging.getLogger("zerolite")
+    if zerolite_logger.level == logging.NOTSET:
+        zerolite_logger.setLevel(args.get_process_log_level())
+
+
+def _adopt(
+    accelerator: Accelerator, config: ZeroConfig, save_dtype: torch.dtype
+) -> ZeroAccelerator:
     """Turn the Accelerator that Trainer built into a `ZeroAccelerator`, in place.
 
     [Note: why not a new ZeroAccelerator] Trainer builds its Accelerator inside
     ``create_accelerator_and_postprocess`` from about fifteen settings (dataloader config,
     gradient-accumulation plugin, dynamo plugin, ...) through a private helper; building
     a second one would duplicate that logic or diverge from it. ``ZeroAccelerator`` only
-    adds methods and the five attributes set below, so switching the instance's class
+    adds methods and the attributes set below, so switching the instance's class
     keeps everything Trainer configured and stored (e.g. its bound ``gather_function``).
     A Trainer subclass that builds its own Accelerator subclass keeps it, under zerolite's
     methods.
@@ -166,10 +190,12 @@ def _adopt(accelerator: Accelerator, config: ZeroConfig) -> ZeroAccelerator:
     adopted: Any = accelerator
     adopted.zero_config = config
     adopted.scaler = None  # fp16 loss scaling is zerolite's (per shard, agreed across ranks)
+    adopted.save_dtype = save_dtype
     adopted._zero_sharded = []
     adopted._zero_models = {}
     adopted._zero_pending = ()
-    check_launch(adopted)
+    adopted._zero_runs = RunFolders()
+    check_launch(adopted, _TRAINER_CPU_HINT)
     return adopted
 
 
@@ -187,17 +213,20 @@ class ZeroTrainerMixin:
             (``zerolite.checkpoint.save(..., blocking=False)``): training resumes once each
             rank's shard is copied into its staging area; the next checkpoint (or the end of
             the process) waits for it. Trainer's other files are written as usual.
+        save_dtype: dtype of the weights ``save_model`` writes (and so each
+            ``checkpoint-N/``'s): ``torch.float32`` (default) writes the fp32 masters, as
+            the stock Trainer does under ``args.bf16``; ``torch.bfloat16`` half the bytes.
         *args: the Trainer's own arguments, unchanged.
         **kwargs: the Trainer's own keyword arguments, unchanged.
     Raises:
         ValueError: at construction, on every rank, for Trainer arguments zerolite cannot
-            honour (``deepspeed``, ``fsdp``, ``parallelism_config``, ``torch_compile``,
+            honour (``deepspeed``, ``fsdp``, ``parallelism_config``,
             ``auto_find_batch_size``, ``fp16_full_eval``, ``bf16_full_eval``, several GPUs
             per process, a model spread over devices), naming the argument; a
             ``zero_config`` that contradicts ``args``; ``async_save`` with
             ``args.save_total_limit=1`` (Trainer deletes the previous checkpoint right
             after starting the next, so a crash during the background write would leave
-            no complete one).
+            no complete one); a ``save_dtype`` other than float32, bfloat16 or float16.
         TypeError: the optimizer (``args.optim``, ``optimizers=`` or
             ``optimizer_cls_and_kwargs``) is not elementwise, so it cannot step shards.
     """
@@ -213,10 +242,11 @@ class ZeroTrainerMixin:
 
     def __init__(
         self, *args: Any, zero_config: ZeroConfig | None = None, async_save: bool = False,
-        **kwargs: Any,
+        save_dtype: torch.dtype = torch.float32, **kwargs: Any,
     ) -> None:
         if not isinstance(async_save, bool):
             raise TypeError(f"async_save must be a bool, got {async_save!r}")
+        self.save_dtype = check_save_dtype(save_dtype)
         self._zero_requested = zero_config
         self._async_save = async_save
         super().__init__(*args, **kwargs)
@@ -236,8 +266,9 @@ class ZeroTrainerMixin:
         """Check the arguments, build Trainer's Accelerator, and make it a ZeroAccelerator."""
         _refuse_unsupported(self.args)
         self.zero_config = zero_config_for_args(self.args, self._zero_requested)
+        _follow_trainer_log_level(self.args)
         super().create_accelerator_and_postprocess()  # type: ignore[misc]
-        self.accelerator = _adopt(self.accelerator, self.zero_config)
+        self.accelerator = _adopt(self.accelerator, self.zero_config, self.save_dtype)
 
     def _refuse_model_layout(self) -> None:
         if getattr(self, "is_model_parallel", False):
@@ -288,12 +319,14 @@ class ZeroTrainerMixin:
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """Write what ``from_pretrained`` loads: HF names, safetensors, config (all ranks call).
 
-        Parameters are gathered unit by unit to rank 0 (on CPU); rank 0 writes them with
-        the model's ``save_pretrained`` (``model.safetensors``, or shards and an index
-        above its ``max_shard_size``), with ``config.json`` and the processing class.
+        Parameters are gathered unit by unit to rank 0 (on CPU), from the fp32 masters in
+        ``save_dtype`` (`zerolite.saving.weights_for_saving`); rank 0 writes them with the
+        model's ``save_pretrained`` (``model.safetensors``, or shards and an index above its
+        ``max_shard_size``), with ``config.json`` (whose ``dtype`` names what was written)
+        and the processing class.
         """
         output_dir = output_dir if output_dir is not None else self.args.output_dir
-        state_dict = full_state_dict(self.model, rank0_only=True, to_cpu=True)
+        state_dict = weights_for_saving(self.model, self.save_dtype, keep=self.args.should_save)
         self._save(output_dir, state_dict=state_dict)  # type: ignore[attr-defined]  # rank 0 writes
         if self.args.push_to_hub and not _internal_call:
             push: Any = self.push_to_hub  # type: ignore[attr-defined]

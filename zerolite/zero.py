@@ -46,6 +46,7 @@ from zerolite.config import ZeroConfig
 from zerolite.grads.bucket import GradBucket
 from zerolite.grads.hooks import KeepFullGrads, ShardGradsInBackward
 from zerolite.grads.reducer import GradReducer, install_no_sync
+from zerolite.memory.footprint import footprint
 from zerolite.optim.multi import MultiOptimizer, class_name, inner_optimizers
 from zerolite.optim.repoint import repoint_optimizer
 from zerolite.optim.sharded_optimizer import ShardedOptimizer, check_not_sharded
@@ -224,14 +225,28 @@ def _build(
     )
     sharded = ShardedOptimizer(optimizer, state)
     register(model, state, sharded)
-    if group.world.rank == 0:
-        logger.info(
-            "zerolite: stage %d (partition %s) sharded %d parameters (%d elements) into %d flat "
-            "buffers across %d ranks", config.stage, plan.partition,
-            sum(len(f.params) for f in flats), sum(f.numel for f in flats), len(flats),
-            group.size,
-        )
+    if group.world.rank == 0 and logger.isEnabledFor(logging.INFO):
+        logger.info(_announcement(sharded, plan.partition))
     return sharded
+
+
+def _announcement(sharded: ShardedOptimizer, partition: str) -> str:
+    """The one line `shard()` logs on rank 0 (at INFO): that zerolite is on, how, and what
+    this rank holds now (`zerolite.memory.footprint`; the optimizer's moments appear at its
+    first step)."""
+    config, group, flats = sharded.config, sharded.group, sharded.flats
+    dtype = str(config.param_dtype).removeprefix("torch.")
+    precision = "fp32" if dtype == "float32" else f"{dtype} parameters with fp32 masters"
+    held = footprint(sharded)
+    mib = 2.0**20
+    return (
+        f"zerolite: stage {config.stage} over {group.world.size} ranks, {precision}, partition "
+        f"{partition}: {sum(len(f.params) for f in flats)} parameters "
+        f"({sum(f.numel for f in flats)} elements) in {len(flats)} flat buffers; rank 0 holds "
+        f"{held.model_states / mib:.2f} MiB (parameters {held.params / mib:.2f}, gradients "
+        f"{held.grads / mib:.2f}, fp32 masters {held.master / mib:.2f}; optimizer state from "
+        f"its first step)"
+    )
 
 
 def _choose_exchanges(

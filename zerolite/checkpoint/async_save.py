@@ -5,8 +5,10 @@ thread -- validation, rank 0's lock, the hidden directory, and `stage` (each ran
 copied into its `StagingArea`) -- and then returns a `PendingSave` whose thread runs
 `write_and_commit`:
 
-1. every rank writes its staged bytes to ``.NAME.tmp-T/rank-R-of-N.safetensors``, hashing
-   while it writes, fsyncs, and leaves its completion marker (`Markers`);
+1. every writing rank writes its staged bytes to ``.NAME.tmp-T/rank-R-of-N.safetensors``,
+   hashing while it writes, fsyncs, and leaves its completion marker (`Markers`, by global
+   rank); under hybrid sharding only the first replica group writes (the others staged
+   nothing: their residuals went to it at the call) and the other ranks leave an empty one;
 2. rank 0 waits for every rank's marker, writes ``index.json`` and its checksum, commits
    (`zerolite.checkpoint.commit.commit_checkpoint`, the same protocol as a synchronous
    save) and tells the others the outcome; they wait for it, so ``wait()`` returns on any
@@ -45,22 +47,29 @@ def write_and_commit(
     *,
     path: Path,
     tmp: Path,
-    area: StagingArea,
-    rank_file: RankFile,
+    area: StagingArea | None,
+    rank_file: RankFile | None,
+    rank: int,
     index: dict[str, Any],
     overwrite: bool,
     token: str,
     lock: SaveLock | None,
     markers: Markers,
 ) -> None:
-    """The background thread's work on one rank (module docstring); rank 0 holds ``lock``
-    and releases it when done."""
-    rank = rank_file.rank
+    """The background thread's work on one rank (module docstring): global rank ``rank``
+    writes ``rank_file``'s bytes staged in ``area``, or no file when both are None (hybrid
+    sharding: a replica outside the first replica group). Rank 0 holds ``lock`` and
+    releases it when done."""
     try:
-        target = tmp / rank_file.file
+        target = tmp / rank_file.file if rank_file is not None else tmp
         try:
-            size, sha = write_shard(target, area.slots, [area.data], rank, rank_file.metadata)
-            markers.done(rank, rank_file.record(size, sha))
+            record: dict[str, Any] = {}
+            if rank_file is not None and area is not None:
+                size, sha = write_shard(
+                    target, area.slots, [area.data], rank_file.rank, rank_file.metadata
+                )
+                record = rank_file.record(size, sha)
+            markers.done(rank, record)
         except Exception as exc:
             message = f"writing {target}: {type(exc).__name__}: {exc}"
             if rank == 0:
@@ -72,7 +81,8 @@ def write_and_commit(
             markers.verdict(rank)
             return
         try:
-            records = markers.collect()
+            # Non-writers report {}; the files by their rank in the shard group.
+            records = sorted((r for r in markers.collect() if r), key=lambda f: f["rank"])
         except CheckpointError as exc:  # names the ranks
             markers.announce(str(exc))
             raise

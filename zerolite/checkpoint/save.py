@@ -240,17 +240,28 @@ def _start_async(
     token: str,
     lock: SaveLock | None,
 ) -> PendingSave:
-    """Stage every rank's tensors (agreed: the state at this call, on every rank) and
-    start the background write (`zerolite.checkpoint.async_save`)."""
-    group = optimizer.group
+    """Stage every writing rank's tensors (agreed: the state at this call, on every rank)
+    and start the background write (`zerolite.checkpoint.async_save`). Hybrid sharding: the
+    first replica group writes, holding the other replicas' residuals, gathered here before
+    the call returns (a collective, so never on the background thread); the other ranks
+    only wait for the outcome."""
+    group = optimizer.group.world
+    shards = optimizer.group
+    writes = shards.replicas is None or shards.replicas.rank == 0
+    file, area = None, None
     with agreed("zerolite.checkpoint.save() (staging)", group):
-        file = rank_file(model, optimizer)
-        area = staging_area(optimizer)
-        stage(area, file)
+        # First, before anything that can fail alone: a collective over the replica group.
+        others = gather_replica_residuals(optimizer)
+        if writes:
+            file = rank_file(model, optimizer)
+            file.tensors.update(others)  # hybrid: the other replicas' residuals of this shard
+            area = staging_area(optimizer)
+            stage(area, file)
+    # Markers by global rank: every rank reports (a non-writer, no file) and hears rank 0.
     markers = Markers(path, token, group.size, group.timeout.total_seconds())
     work = functools.partial(
         # The index as JSON data now: nothing the caller changes later can reach it.
-        write_and_commit, path=path, tmp=tmp, area=area, rank_file=file,
+        write_and_commit, path=path, tmp=tmp, area=area, rank_file=file, rank=group.rank,
         index=json.loads(json.dumps(index)),
         overwrite=overwrite, token=token, lock=lock, markers=markers,
     )
@@ -313,11 +324,6 @@ def _check_arguments(
     """`save`'s refusals before anything is written (see its Raises)."""
     if not isinstance(blocking, bool):
         raise TypeError(f"checkpoint.save(): blocking must be a bool, got {blocking!r}")
-    if not blocking and optimizer.group.replicas is not None:
-        raise ValueError(
-            "checkpoint.save(blocking=False) is not supported with hybrid sharding "
-            "(ZeroConfig.shard_group_size) yet; save with blocking=True"
-        )
     problem = checkpoint_name_problem(path.name)
     if problem is not None:
         raise ValueError(f"checkpoint path {str(path)!r}: {problem}; use a plain directory name")

@@ -65,6 +65,7 @@ __all__ = [
     # The building blocks the other exchanges of `zerolite.comm` share:
     "accumulate_dtype",
     "all_gather_flat",
+    "sum_in_rank_order",
     "chunk_of",
     "tag_of",
     "wait_for",
@@ -147,6 +148,27 @@ def accumulate_dtype(dtype: torch.dtype) -> torch.dtype:
     return dtype
 
 
+def sum_in_rank_order(contributions: Sequence[torch.Tensor], out: torch.Tensor, n: int) -> None:
+    """``out`` = (contributions[0] + contributions[1] + ... ) / ``n``, added left to right in
+    `accumulate_dtype` and rounded once into ``out``.
+
+    [Note: rank order] Every element of a reduced gradient is the sum of the ranks'
+    contributions in rank order, 0 first, whichever rank receives it. Which rank receives an
+    element depends on the layout (the stage, the bucket size, the partition), so summing in
+    any order relative to the receiver (its own chunk first, then the nearest sender) makes the
+    result depend on the layout once fp32 addition stops being commutative enough: at 3 or
+    more ranks. In rank order, stages 1, 2 and 3 do the same arithmetic on every element.
+    """
+    acc_dtype = accumulate_dtype(out.dtype)
+    acc = out if acc_dtype == out.dtype else torch.empty_like(out, dtype=acc_dtype)
+    acc.copy_(contributions[0])
+    for term in contributions[1:]:
+        acc.add_(term)
+    acc.div_(n)
+    if acc is not out:
+        out.copy_(acc)
+
+
 def reduce_scatter_avg(
     full: torch.Tensor, out: torch.Tensor, group: Group, *, key: int, what: str
 ) -> Pending:
@@ -192,14 +214,9 @@ def reduce_scatter_avg(
 
     def finish() -> None:
         mine = chunk_of(full, group.rank, shard)
-        acc_dtype = accumulate_dtype(out.dtype)
-        acc = out if acc_dtype == out.dtype else torch.empty_like(out, dtype=acc_dtype)
-        acc.copy_(mine)
-        for k in range(n - 1):
-            acc.add_(received[k])
-        acc.div_(n)
-        if acc is not out:
-            out.copy_(acc)
+        contributions = [mine if src == group.rank else received[(group.rank - src) % n - 1]
+                         for src in range(n)]
+        sum_in_rank_order(contributions, out, n)
 
     return Pending(works, finish, group=group, what=what)
 

@@ -164,7 +164,7 @@ class ReplicaStep(Exchange):
 
     def reduce_scatter(self, full: torch.Tensor, out: torch.Tensor, *, what: str) -> Pending:
         inner = self.inner.reduce_scatter(full, out, what=what)
-        return average_across_replicas(inner, out, self.group, what=what)
+        return average_across_replicas(inner, out, self.group, key=self.reduce_key, what=what)
 
     def all_gather(self, full: torch.Tensor, *, what: str) -> Pending:
         return self.inner.all_gather(full, what=what)

@@ -34,7 +34,14 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from zerolite.comm.collectives import Group, Pending, all_reduce
+from zerolite.comm.collectives import (
+    Group,
+    Pending,
+    all_gather_inplace,
+    all_reduce,
+    chunk_of,
+    reduce_scatter_avg,
+)
 from zerolite.config import ZeroConfig
 
 __all__ = [
@@ -165,24 +172,41 @@ def sharding_group(world: Group, k: int | None, config: ZeroConfig) -> Group:
 
 
 def average_across_replicas(
-    inner: Pending, out: torch.Tensor, group: Group, *, what: str
+    inner: Pending, out: torch.Tensor, group: Group, *, key: int, what: str
 ) -> Pending:
     """Hybrid: once ``inner`` (this shard group's reduction into ``out``, the average over
     its ranks) completes, the mean of ``out`` across ``group.replicas``: ``out`` is then the
     average over every data-parallel rank. Returns ``inner`` itself when ``group`` is flat.
 
     Every rank of the replica group must call, in the same order relative to zerolite's
-    other exchanges. The all-reduce runs in ``out``'s dtype (``ZeroConfig.grad_dtype``:
-    what crosses the slow link) when the returned handle is waited on.
+    other exchanges; ``key`` tags its messages (`zerolite.comm.collectives.tag_of`). What
+    crosses the slow link is in ``out``'s dtype (``ZeroConfig.grad_dtype``), when the
+    returned handle is waited on. Point-to-point groups reduce-scatter ``R`` parts of
+    ``out`` and all-gather them (a ring's bytes), summing each element in replica order
+    whatever its position ([Note: rank order] in `zerolite.comm.collectives`); native groups
+    all-reduce.
     """
     replicas = group.replicas
     if replicas is None or replicas.size == 1:
         return inner
+    label = f"{what} (across replica groups)"
 
     def finish() -> None:
         inner.wait()
-        all_reduce(out, replicas, dist.ReduceOp.SUM, what=f"{what} (across replica groups)")
-        out.div_(replicas.size)
+        if not replicas.point_to_point:
+            all_reduce(out, replicas, dist.ReduceOp.SUM, what=label)
+            out.div_(replicas.size)
+            return
+        n = replicas.size
+        part = -(-out.numel() // n)
+        full = torch.zeros(part * n, dtype=out.dtype, device=out.device)
+        full[: out.numel()] = out
+        mine = chunk_of(full, replicas.rank, part)
+        reduced = torch.empty_like(mine)
+        reduce_scatter_avg(full, reduced, replicas, key=key, what=label).wait()
+        mine.copy_(reduced)
+        all_gather_inplace(full, replicas, key=key, what=label).wait()
+        out.copy_(full[: out.numel()])
 
     return Pending(finish=finish, group=group, what=what)
 

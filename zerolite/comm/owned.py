@@ -22,7 +22,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from zerolite.comm.collectives import Group, Pending, accumulate_dtype, tag_of
+from zerolite.comm.collectives import Group, Pending, sum_in_rank_order, tag_of
 
 __all__ = ["gather_from_owners", "reduce_to_owners"]
 
@@ -88,17 +88,12 @@ def reduce_to_owners(
                     ))
 
     def finish() -> None:
-        acc_dtype = accumulate_dtype(out.dtype)
-        acc = out if acc_dtype == out.dtype else torch.empty_like(out, dtype=acc_dtype)
-        if group.point_to_point:
-            acc.copy_(chunk(rank))
-            for k in range(n - 1):
-                acc.add_(received[k])
+        if group.point_to_point:  # [Note: rank order] in zerolite.comm.collectives
+            contributions = [chunk(rank) if src == rank else received[(rank - src) % n - 1]
+                             for src in range(n)]
         else:
-            acc.copy_(sent[rank])
-        acc.div_(n)
-        if acc is not out:
-            out.copy_(acc)
+            contributions = [sent[rank]]
+        sum_in_rank_order(contributions, out, n)
 
     return Pending(works, finish, group=group, what=what)
 

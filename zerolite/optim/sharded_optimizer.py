@@ -29,7 +29,7 @@ from zerolite.config import ZeroConfig
 from zerolite.grads.bucket import GradBucket
 from zerolite.grads.hooks import KeepFullGrads, ShardGradsInBackward
 from zerolite.grads.reducer import GradReducer
-from zerolite.optim.grad_clip import clip_coefficient, global_grad_norm
+from zerolite.optim.grad_clip import GradNorm, clip_coefficient
 from zerolite.optim.loss_scale import DynamicLossScaler
 from zerolite.optim.optimizer_hooks import init_optimizer_hooks
 from zerolite.optim.state_dict import load_sharded_state_dict, sharded_state_dict
@@ -74,6 +74,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         # their fp32 upcast (see _fp32_gradient); `_clipped` says a clip coefficient is in it.
         self._grad_factor = torch.ones((), dtype=torch.float32)
         self._clipped = False
+        # The global gradient norm's fixed summation order, built at the first clip.
+        self._norm: GradNorm | None = None
         # What each group's "params" held after shard(): a change is refused at step().
         self._group_params = [list(group["params"]) for group in optimizer.param_groups]
 
@@ -294,7 +296,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
             return torch.tensor(float("inf"))
         # The norm of the (still scaled) shards, times the pending factor: exact, since the
         # norm is homogeneous, and computed in fp32 whatever the gradient dtype.
-        total = global_grad_norm(self._grad_shards(), norm_type, self.group) * self._grad_factor
+        if self._norm is None:
+            self._norm = GradNorm(self.flats, self.group)
+        total = self._norm(self._grad_shards(), norm_type) * self._grad_factor
         self._grad_factor = self._grad_factor * clip_coefficient(total, max_norm)
         self._clipped = True
         return total

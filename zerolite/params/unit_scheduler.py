@@ -38,6 +38,7 @@ from zerolite.comm.collectives import Group, Pending
 from zerolite.compile_guard import not_compiled
 from zerolite.params.flat_buffer import FlatParamBuffer
 from zerolite.params.generation import install_synced_generate
+from zerolite.params.state_dict_hooks import StateDictHooks
 
 __all__ = ["UnitScheduler"]
 
@@ -86,7 +87,8 @@ class UnitScheduler:
         self._holds_frozen = [any(not p.requires_grad for f in fs for p in f.params)
                               for fs in flats]
         self._handles: list[Any] = []
-        # Set while zerolite itself reads the model's state dict (see full_state_dict).
+        # Set while zerolite itself reads the model's state dict (see full_state_dict): then
+        # model.state_dict() returns torch's entries (placeholders) instead of gathering.
         self.allow_state_dict = False
         for i, module in enumerate(modules):
             if i == self.root:
@@ -97,8 +99,9 @@ class UnitScheduler:
             else:
                 self._handles.append(module.register_forward_pre_hook(self._make_pre_forward(i)))
                 self._handles.append(module.register_forward_hook(self._make_post_forward(i)))
-            self._handles.append(module.register_state_dict_pre_hook(self._refuse_state_dict))
             self._handles.append(module.register_load_state_dict_pre_hook(self._refuse_load_state_dict))
+        # model.state_dict() gathers unit by unit to the CPU (zerolite.params.state_dict_hooks).
+        self._handles += StateDictHooks(self).install()
         # Ranks must forward in lockstep: see zerolite.params.generation (`remove()` undoes each).
         self.synced_generate = install_synced_generate(modules[self.root], group)
 
@@ -226,14 +229,6 @@ class UnitScheduler:
             self._release(i)
 
     # -- misuse ------------------------------------------------------------------------
-    def _refuse_state_dict(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
-        if not self.allow_state_dict:
-            raise RuntimeError(
-                "model.state_dict() on a stage-3 model would return parameters whose storage is "
-                "freed (each rank holds only its shard). Use zerolite.full_state_dict(model) to "
-                "gather full tensors unit by unit, or zerolite.checkpoint to save shards."
-            )
-
     def _refuse_load_state_dict(self, module: nn.Module, *args: Any) -> None:
         # Without this, torch reports a shape mismatch against the freed placeholders.
         # Outside gathered_parameters, even units that happen to be gathered (kept by
