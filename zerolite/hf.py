@@ -57,6 +57,7 @@ import zerolite.checkpoint
 from zerolite.accelerate import ZeroAccelerator, check_launch
 from zerolite.checkpoint.pending_save import finish_in_flight_everywhere
 from zerolite.checkpoint.run_folders import RunFolders
+from zerolite.checkpoint.trainer_resume import check_steps, newest_complete
 from zerolite.comm import runtime
 from zerolite.config import ZeroConfig
 from zerolite.optim.sharded_optimizer import ShardedOptimizer
@@ -347,16 +348,27 @@ class ZeroTrainerMixin:
         if self.args.should_save:
             torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
 
+    def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any,
+              **kwargs: Any) -> Any:
+        """Trainer's ``train``; ``resume_from_checkpoint=True`` takes the newest *complete*
+        ``checkpoint-N`` (`zerolite.checkpoint.trainer_resume.newest_complete`)."""
+        if resume_from_checkpoint is True:
+            newest = newest_complete(self.args.output_dir, ZERO_CHECKPOINT_DIR)
+            resume_from_checkpoint = True if newest is None else newest
+        return super().train(resume_from_checkpoint, *args, **kwargs)  # type: ignore[misc]
+
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
         # Called before the optimizer exists: only check. Weights and optimizer state are
         # loaded together, after sharding, by _load_optimizer_and_scheduler.
         if not (Path(resume_from_checkpoint) / ZERO_CHECKPOINT_DIR).is_dir():
             raise ValueError(
                 f"cannot resume from {resume_from_checkpoint}: it holds no zerolite checkpoint "
-                f"({ZERO_CHECKPOINT_DIR}/), so it was not written by a ZeroTrainer or was saved "
-                "with args.save_only_model=True. Start a new run from its weights with "
-                "from_pretrained instead"
+                f"({ZERO_CHECKPOINT_DIR}/), so it was not written by a ZeroTrainer, was saved "
+                "with args.save_only_model=True, or its asynchronous save did not finish. "
+                "Resume from an earlier checkpoint-N, or start a new run from its weights "
+                "with from_pretrained"
             )
+        check_steps(resume_from_checkpoint, ZERO_CHECKPOINT_DIR)
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         """Weights, fp32 masters and optimizer state from ``zerolite/`` at any world size or

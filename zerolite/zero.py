@@ -59,8 +59,9 @@ from zerolite.plan.owners import assign_owners
 from zerolite.plan.quantization import buffer_wires, describe_quantization, skipped_parameters
 from zerolite.plan.shard_plan import ShardPlan, plan_layout
 from zerolite.plan.stages import STAGES
+from zerolite.state.arena import DiskArena, HostArena
 from zerolite.state.master import MasterShard
-from zerolite.state.offload import OffloadTier, build_tier, check_offload
+from zerolite.state.offload import OffloadTier, build_tier, check_offload, reserve_arena
 from zerolite.state.pieces import pieces_of
 from zerolite.state.shard_state import ShardState, register
 
@@ -119,10 +120,10 @@ def shard(
     world = _world(model, optimizer, config)
     optimizer, plan, k, lines = _agree_on_plan(model, optimizer, config, world)
     group = sharding_group(world, k, config)
-    offload = _agree_on_offload(plan, optimizer, config, group)
+    offload, arena = _agree_on_offload(plan, optimizer, config, group)
     digest = hashlib.sha256("\n".join(lines).encode()).hexdigest()
     with phase_events.phase("build", world.buffer_device):
-        sharded = _build(model, optimizer, config, group, plan, digest, offload)
+        sharded = _build(model, optimizer, config, group, plan, digest, (offload, arena))
     phase_events.built(sharded)
     return sharded
 
@@ -184,15 +185,17 @@ def _agree_on_plan(
 
 def _agree_on_offload(
     plan: ShardPlan, optimizer: torch.optim.Optimizer, config: ZeroConfig, group: Group
-) -> OffloadLayout | None:
-    """This rank's offload layout over its shard group; a tier that cannot hold it (a bad
+) -> tuple[OffloadLayout | None, DiskArena | HostArena | None]:
+    """This rank's offload layout over its shard group, and its arena, reserved before
+    anything changes (`reserve_arena`); a tier that cannot hold it (a bad
     directory, too little space) raises on every rank."""
-    offload = None
+    offload, arena = None, None
     with agreed("zerolite.shard() (offload)", group.world):
         offload = plan_offload(plan, optimizer, config, rank=group.rank, world_size=group.size)
         if offload is not None:
             check_offload(offload, config, plan.device)
-    return offload
+            arena = reserve_arena(offload, config, group.rank)
+    return offload, arena
 
 
 def _build(
@@ -202,16 +205,17 @@ def _build(
     group: Group,
     plan: ShardPlan,
     layout_digest: str,
-    offload: OffloadLayout | None,
+    reserved: tuple[OffloadLayout | None, DiskArena | HostArena | None],
 ) -> ShardedOptimizer:
     """Every rank agreed: build, one step per concern (the module docstring)."""
+    offload, arena = reserved
     if plan.partition == "tensor":  # each buffer's parameters ordered by owner: the layout
         plan = assign_owners(plan, group.size)
     exchanges = _choose_exchanges(model, plan, config, group)
     all_flats, meta_build = _place_parameters(model, plan, exchanges, config, group)
     flats, frozen_flats = all_flats[: len(plan.flat_params)], all_flats[len(plan.flat_params) :]
     masters = _make_masters(flats, config, group, offload)
-    tier = _adopt_optimizer(optimizer, masters, plan, offload, config, group)
+    tier = _adopt_optimizer(optimizer, masters, plan, reserved, config, group)
     reducer, grads = _wire_gradients(flats, config, group)
     scheduler = None
     if plan.units is not None and isinstance(grads, ShardGradsInBackward):
@@ -352,22 +356,24 @@ def _adopt_optimizer(
     optimizer: torch.optim.Optimizer,
     masters: list[MasterShard],
     plan: ShardPlan,
-    offload: OffloadLayout | None,
+    reserved: tuple[OffloadLayout | None, DiskArena | HostArena | None],
     config: ZeroConfig,
     group: Group,
 ) -> OffloadTier | None:
     """The user's optimizer steps the master pieces from now on (its param groups keep their
     identity; existing state is sliced to the pieces); the offload tier takes what is
-    offloaded. Returns the tier (None without offload)."""
+    offloaded, in the arena reserved before the ranks agreed. Returns the tier (None
+    without offload)."""
     if isinstance(optimizer, MultiOptimizer):
         optimizer.bind()
     repoint_optimizer(
         optimizer, pieces_of(masters, optimizer.state), plan.group_of,
         [p for _, p in plan.frozen],
     )
+    offload, arena = reserved
     if offload is None:
         return None
-    return build_tier(offload, masters, optimizer, config, group.rank)
+    return build_tier(offload, masters, optimizer, config, group.rank, arena)
 
 
 def _wire_gradients(
@@ -388,7 +394,7 @@ def _wire_gradients(
         )
         for flat in flats
     ]
-    reducer = GradReducer(buckets, group)
+    reducer = GradReducer(buckets, group, stage=config.stage)
     if policy.shards_gradients:
         return reducer, ShardGradsInBackward(reducer)
     return reducer, KeepFullGrads(reducer)

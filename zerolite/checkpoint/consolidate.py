@@ -54,10 +54,13 @@ def verify(path: str | os.PathLike) -> dict[str, Any]:
 
 
 def inspect(path: str | os.PathLike) -> dict[str, Any]:
-    """A summary: world size, stage, step, dtype, optimizer, parameter count, bytes per file."""
+    """A summary: world size (the shard group's, hybrid), replica groups (1 unless hybrid),
+    stage, step, dtype, optimizer, parameter count, bytes per file."""
     index = read_index(path)
     return {
         "world_size": index["world_size"],
+        # Checkpoints written before hybrid sharding have no entry: one replica.
+        "replicas": index.get("replicas", 1),
         "stage": index["stage"],
         "step": index["step"],
         "param_dtype": index["param_dtype"],

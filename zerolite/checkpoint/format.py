@@ -379,7 +379,7 @@ def checkpoint_name_problem(name: str) -> str | None:
 
     The ``latest`` pointer stores the name exactly, so names that differ only in
     surrounding whitespace, contain separators or control characters, or are hidden
-    (the names of zerolite's own temporaries) are refused.
+    (the names of zerolite's own temporaries) are refused, and so is ``latest`` itself.
     """
     if name in ("", ".", ".."):
         return f"{name!r} is not a directory name"
@@ -391,6 +391,8 @@ def checkpoint_name_problem(name: str) -> str | None:
         return f"{name!r} contains a control character"
     if name.startswith("."):
         return f"{name!r} is hidden (names starting with '.' are zerolite's temporaries)"
+    if name == LATEST:
+        return f"{name!r} is the name of the pointer file zerolite keeps next to checkpoints"
     return None
 
 

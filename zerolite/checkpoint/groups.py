@@ -16,9 +16,11 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from zerolite.checkpoint.format import CheckpointError
 
-__all__ = ["check_groups", "piece_groups", "saved_groups"]
+__all__ = ["check_groups", "check_hyperparameters", "piece_groups", "saved_groups"]
 
 
 def piece_groups(opt: Any) -> dict[str, int]:
@@ -70,3 +72,50 @@ def _describe(groups: dict[str, int]) -> str:
         shown = ", ".join(names[:3]) + (f", ... ({len(names)} params)" if len(names) > 3 else "")
         parts.append(f"group {g}: [{shown}]")
     return "; ".join(parts)
+
+
+def check_hyperparameters(
+    saved: list[dict[str, Any]], current: list[dict[str, Any]], path: Any
+) -> None:
+    """Raise unless each saved hyperparameter has the kind of the optimizer's own value.
+
+    The index is sealed, but a hand-edited, re-sealed one passes the schema with any JSON
+    there (``betas: "oops"``); the optimizer would take it and fail (or compute nonsense)
+    at its next step. Kinds: number (int, float, 0-dim tensor), bool, str, and sequences of
+    the same length, element by element; None on either side matches anything (an option
+    left unset).
+
+    Args:
+        saved: the decoded param groups of the index, by position.
+        current: the optimizer's ``param_groups``, by position (same count: checked before).
+    Raises:
+        CheckpointError: naming the group, the key, the saved value and the kind expected.
+    """
+    for g, (old, new) in enumerate(zip(saved, current)):
+        for key, value in old.items():
+            if key != "params" and key in new and not _same_kind(value, new[key]):
+                raise CheckpointError(
+                    f"{path}: param group {g}'s {key!r} is {value!r} in the checkpoint, and "
+                    f"this optimizer holds {new[key]!r} there: not the same kind of value. "
+                    "The index was edited; restore it from a copy, or load another checkpoint"
+                )
+
+
+def _kind(value: Any) -> str:
+    if isinstance(value, bool):
+        return "bool"
+    if isinstance(value, (int, float)) or (isinstance(value, torch.Tensor) and value.ndim == 0):
+        return "number"
+    if isinstance(value, (list, tuple)):
+        return "sequence"
+    return type(value).__name__
+
+
+def _same_kind(saved: Any, current: Any) -> bool:
+    if saved is None or current is None:
+        return True
+    if _kind(saved) != _kind(current):
+        return False
+    if _kind(saved) == "sequence":
+        return len(saved) == len(current) and all(map(_same_kind, saved, current))
+    return True

@@ -36,7 +36,12 @@ from zerolite.checkpoint.format import (
     model_key,
     read_index,
 )
-from zerolite.checkpoint.groups import check_groups, piece_groups, saved_groups
+from zerolite.checkpoint.groups import (
+    check_groups,
+    check_hyperparameters,
+    piece_groups,
+    saved_groups,
+)
 from zerolite.checkpoint.json_codec import decode
 from zerolite.checkpoint.range_reader import PieceReader, RangeReader
 from zerolite.checkpoint.residuals import apply_residuals, read_residuals
@@ -46,7 +51,11 @@ from zerolite.comm import runtime
 from zerolite.comm.consensus import agreed
 from zerolite.comm.small_exchange import all_gather_bytes
 from zerolite.optim.multi import class_name
-from zerolite.optim.sharded_optimizer import ShardedOptimizer, require_sharded_optimizer
+from zerolite.optim.sharded_optimizer import (
+    ShardedOptimizer,
+    require_model_of,
+    require_sharded_optimizer,
+)
 from zerolite.state.pieces import Piece
 
 __all__ = ["load"]
@@ -198,12 +207,6 @@ def load(
     return extra
 
 
-def _holds_parameters_of(model: nn.Module, optimizer: ShardedOptimizer) -> bool:
-    """Whether ``model`` holds the parameters ``optimizer`` shards (a wrapper of its model)."""
-    own = {id(p) for p in model.parameters()}
-    return all(id(p) in own for flat in optimizer.flats for p in flat.params)
-
-
 def _read_checked_index(path: Path, rank: int, world_size: int) -> dict[str, Any]:
     try:
         index = read_index(path)
@@ -270,11 +273,7 @@ def _verified_index(path: Path, model: nn.Module, optimizer: ShardedOptimizer) -
     checked; a peer's failure is raised as `CheckpointError` here too (the documented type)."""
     group = optimizer.group.world
     with agreed("zerolite.checkpoint.load() (verifying files)", group, peer_error=CheckpointError):
-        if optimizer.model is not model and not _holds_parameters_of(model, optimizer):
-            raise ValueError(
-                "zerolite.checkpoint.load(): model is not the model this optimizer was sharded "
-                "with; pass the model given to zerolite.shard() together with its optimizer"
-            )
+        require_model_of(model, optimizer, "zerolite.checkpoint.load()")
         index = _read_checked_index(path, group.rank, group.size)
     return index
 
@@ -302,6 +301,7 @@ def _read_optimizer_side(
         read.hyper = [decode(g, f"param group {i}") for i, g in enumerate(saved_hyper)]
     except ValueError as exc:
         raise CheckpointError(f"{path}: {exc}") from None
+    check_hyperparameters(read.hyper, optimizer.param_groups, path)
     read.pieces, read.offloaded, read.piece_reader = _read_rank_state(path, index, optimizer)
     # Residuals are exact only in the layout they were saved in (hybrid: the file of this
     # rank's shard holds every replica's).

@@ -55,6 +55,7 @@ from zerolite.checkpoint.commit import (
 )
 from zerolite.checkpoint.format import (
     FORMAT,
+    LATEST,
     VERSION,
     CheckpointError,
     checkpoint_name_problem,
@@ -74,7 +75,11 @@ from zerolite.comm.collectives import Group
 from zerolite.comm.consensus import agreed
 from zerolite.comm.small_exchange import all_gather_bytes
 from zerolite.optim.multi import class_name
-from zerolite.optim.sharded_optimizer import ShardedOptimizer
+from zerolite.optim.sharded_optimizer import (
+    ShardedOptimizer,
+    require_model_of,
+    require_sharded_optimizer,
+)
 
 # model_only_tensors and state_dict_names are imported from here by load, pretrained and
 # zerolite.full_state_dict.
@@ -188,16 +193,21 @@ def save(
             separators, control characters, a leading '.'), ``extra`` or scheduler state is
             not JSON-serialisable, or ``path`` exists without ``overwrite`` -- before
             anything is written, on every rank.
-        TypeError: ``blocking`` is not a bool.
+        TypeError: ``blocking`` is not a bool; ``optimizer`` is not a `ShardedOptimizer`.
+        ValueError: ``model`` is not the model ``optimizer`` was sharded with (nor a
+            wrapper of it), or the ranks passed different paths -- before anything is
+            written, on every rank.
         zerolite.checkpoint.CheckpointError: another job is saving into ``path``'s parent
             (it holds the root's lock) -- before anything is written, on every rank; the
             previous asynchronous save failed and no ``wait()`` reported it (on every rank,
             naming the failed rank and file).
     """
     path = Path(path)
+    optimizer = require_sharded_optimizer(optimizer, "zerolite.checkpoint.save()")
     group = optimizer.group.world
     with agreed("zerolite.checkpoint.save()", group):
         finish_in_flight()
+        require_model_of(model, optimizer, "zerolite.checkpoint.save()")
         _check_arguments(path, optimizer, overwrite=overwrite, blocking=blocking)
         # No json.dumps(extra) check here: _index encodes ``extra`` losslessly (int keys,
         # tuples, Counter...) and its ValueError names the key that cannot be stored.
@@ -261,12 +271,15 @@ def _start_async(
 def _lock_root(path: Path, overwrite: bool, group: Group) -> tuple[SaveLock | None, str]:
     """Rank 0 takes the root's save lock, finishes what an earlier crashed overwrite left
     and checks the target again; every rank gets its verdict and its token for the
-    directory name. Every rank calls; if rank 0 failed, all raise (rank 0 its own error,
-    the others its type and message). Returns rank 0's lock (None elsewhere) and the token.
+    directory name, and checks that every rank passed the same path. Every rank calls; if
+    rank 0 failed, all raise (rank 0 its own error, the others its type and message).
+    Returns rank 0's lock (None elsewhere) and the token.
     """
     lock: SaveLock | None = None
     error: Exception | None = None
-    verdict: dict[str, str] = {"token": uuid.uuid4().hex}
+    # Every rank's path rides along: ranks writing into different directories would each
+    # wait for the others' files (an asynchronous save for timeout_s) instead of failing.
+    verdict: dict[str, str] = {"token": uuid.uuid4().hex, "path": os.path.abspath(path)}
     try:
         if group.rank == 0:
             try:
@@ -276,12 +289,14 @@ def _lock_root(path: Path, overwrite: bool, group: Group) -> tuple[SaveLock | No
             except Exception as exc:  # noqa: BLE001 - shared below: no rank waits for the others
                 error = exc
                 verdict.update(type=type(exc).__name__, message=str(exc))
-        shared = json.loads(all_gather_bytes(
-            json.dumps(verdict).encode() if group.rank == 0 else b"", group,
-            what="checkpoint.save() (taking the root's lock)",
-        )[0])
+        everyone = [json.loads(entry) for entry in all_gather_bytes(
+            json.dumps(verdict if group.rank == 0 else {"path": verdict["path"]}).encode(),
+            group, what="checkpoint.save() (taking the root's lock)",
+        )]
+        shared = everyone[0]
         if error is not None:
             raise error
+        _check_same_path([entry["path"] for entry in everyone])
         if "message" in shared:
             kind = ValueError if shared["type"] == "ValueError" else CheckpointError
             raise kind(shared["message"])
@@ -290,6 +305,17 @@ def _lock_root(path: Path, overwrite: bool, group: Group) -> tuple[SaveLock | No
             lock.release()
         raise
     return lock, shared["token"]
+
+
+def _check_same_path(paths: list[str]) -> None:
+    """Raise `ValueError` (on every rank: each has every path) unless all ranks passed the
+    same path, compared as absolute paths."""
+    if len(set(paths)) > 1:
+        listed = ", ".join(f"rank {r}: {p!r}" for r, p in enumerate(paths))
+        raise ValueError(
+            f"checkpoint.save(): the ranks passed different paths ({listed}); every rank must "
+            "pass the same checkpoint path"
+        )
 
 
 def _check_arguments(
@@ -305,6 +331,12 @@ def _check_arguments(
 
 
 def _check_target(path: Path, overwrite: bool) -> None:
+    pointer = path.parent / LATEST
+    if pointer.exists() and not pointer.is_file():
+        raise ValueError(
+            f"{pointer} exists and is not a file: zerolite keeps its pointer to the newest "
+            "checkpoint there; move it, or save into another directory"
+        )
     if path.exists() and not overwrite:
         raise ValueError(
             f"checkpoint path {path} already exists; pass overwrite=True to replace it"

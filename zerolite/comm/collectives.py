@@ -23,12 +23,14 @@ are tagged with it, and the small exchanges carry it (the step's gradient agreem
 cannot pair its messages with another step's -- it raises `RankMismatchError`, or waits
 and times out.
 
-[Note: waits] On gloo every wait is bounded by ``ZeroConfig.timeout_s`` and raises
-`CollectiveTimeout` naming the operation and the step. On NCCL a wait takes no timeout:
-``WorkNCCL::wait`` with a timeout busy-waits the host until the kernel finishes (and aborts
-the communicator on expiry), which would make every bucket wait, unshard and step
-all-gather a host sync. Without one it makes the current CUDA stream wait for the exchange
-and returns at once; the process group's own timeout and NCCL's watchdog bound it.
+[Note: waits] On gloo every wait is bounded by ``ZeroConfig.timeout_s`` (or the process
+group's own timeout, where shorter) and raises `CollectiveTimeout` naming the operation, the
+step and the bound; the group is then aborted ([Note: abort] in `zerolite.comm.group`). On
+NCCL a wait takes no timeout: ``WorkNCCL::wait`` with a timeout busy-waits the host until
+the kernel finishes (and aborts the communicator on expiry), which would make every bucket
+wait, unshard and step all-gather a host sync. Without one it makes the current CUDA stream
+wait for the exchange and returns at once; the process group's own timeout and NCCL's
+watchdog bound it.
 
 Where tensors live is `zerolite.comm.devices`' decision (the group's buffer device and the
 communication device of small exchanges); small exchanges themselves are
@@ -48,7 +50,6 @@ from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
-from torch.profiler import record_function
 
 from zerolite.comm.group import Group
 
@@ -122,11 +123,11 @@ def wait_for(work: dist.Work, group: Group | None, what: str) -> None:
         return
     try:
         if group.bounded_waits:
-            work.wait(group.timeout)
+            work.wait(group.wait_bound)
         else:
             work.wait()
     except RuntimeError as exc:
-        raise group.failure(what, exc) from exc
+        raise group.abort(what, exc) from exc
 
 
 def chunk_of(full: torch.Tensor, index: int, size: int) -> torch.Tensor:
@@ -196,7 +197,7 @@ def reduce_scatter_avg(
         out.copy_(full)
         return Pending()
     tag = tag_of(group.next_sequence(), key)
-    with record_function("zerolite::reduce_scatter"):
+    with group.launching("zerolite::reduce_scatter", what):
         if not group.point_to_point:
             work = _reduce_scatter_flat(
                 out, full, op=dist.ReduceOp.AVG, group=group.pg, async_op=True
@@ -241,7 +242,7 @@ def all_gather_inplace(full: torch.Tensor, group: Group, *, key: int, what: str)
         )
     shard = full.numel() // n
     tag = tag_of(group.next_sequence(), key)
-    with record_function("zerolite::all_gather"):
+    with group.launching("zerolite::all_gather", what):
         if not group.point_to_point:
             mine = chunk_of(full, group.rank, shard)
             return Pending(
@@ -273,7 +274,7 @@ def all_reduce(
     norms) go through `zerolite.comm.small_exchange.exchange_small` instead."""
     if group.size > 1:
         group.next_sequence()
-        with record_function("zerolite::all_reduce"):
+        with group.launching("zerolite::all_reduce", what):
             work = dist.all_reduce(tensor, op=op, group=group.pg, async_op=True)
         wait_for(work, group, what)
 
@@ -283,7 +284,7 @@ def broadcast(tensor: torch.Tensor, src: int, group: Group, *, what: str) -> Non
     ``src``, waited ([Note: waits]); no-op for one rank."""
     if group.size > 1:
         group.next_sequence()
-        with record_function("zerolite::broadcast"):
+        with group.launching("zerolite::broadcast", what):
             work = dist.broadcast(tensor, group.global_rank(src), group=group.pg, async_op=True)
         wait_for(work, group, what)
 
@@ -322,7 +323,7 @@ def gather(tensor: torch.Tensor, dst: int, group: Group, *, what: str) -> list[t
         [torch.empty_like(tensor) for _ in range(group.size)] if group.rank == dst else None
     )
     group.next_sequence()
-    with record_function("zerolite::gather"):
+    with group.launching("zerolite::gather", what):
         work = dist.gather(
             tensor, received, dst=group.global_rank(dst), group=group.pg, async_op=True
         )

@@ -21,7 +21,6 @@ from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
-from torch.profiler import record_function
 
 from zerolite.comm.collectives import Group, Pending, sum_in_rank_order, tag_of
 
@@ -70,7 +69,7 @@ def reduce_to_owners(
         return Pending()
     tag = tag_of(group.next_sequence(), key)
     works = []
-    with record_function("zerolite::reduce_to_owners"):
+    with group.launching("zerolite::reduce_to_owners", what):
         if group.point_to_point:
             received = torch.empty((n - 1, sizes[rank]), dtype=full.dtype, device=full.device)
             for k in range(1, n):
@@ -124,7 +123,7 @@ def gather_from_owners(
 
     tag = tag_of(group.next_sequence(), key)
     works = []
-    with record_function("zerolite::gather_from_owners"):
+    with group.launching("zerolite::gather_from_owners", what):
         if group.point_to_point:
             for k in range(1, n):
                 dst, src = (rank + k) % n, (rank - k) % n

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from torch.profiler import record_function
 
 from zerolite.comm.codec import ChunkCodec, WireFormat
 from zerolite.comm.collectives import Group, Pending, all_gather_flat, chunk_of, tag_of
@@ -115,7 +114,7 @@ def quantized_all_gather(
     encode_with_feedback(
         wire.chunks[group.rank], chunk_of(full, group.rank, shard), messages[group.rank], residual
     )
-    with record_function("zerolite::quantized_all_gather"):
+    with group.launching("zerolite::quantized_all_gather", what):
         works = gather_rows(messages, group, key=key)
 
     def finish() -> None:
@@ -158,7 +157,7 @@ def quantized_reduce_scatter_avg(
         row = None if residual is None else residual[k - 1]
         encode_with_feedback(wire.chunks[dst], chunk_of(full, dst, shard), messages[dst], row)
     received = wire.messages(full.device)
-    with record_function("zerolite::quantized_reduce_scatter"):
+    with group.launching("zerolite::quantized_reduce_scatter", what):
         works = exchange_rows(messages, received, group, key=key)
 
     def finish() -> None:

@@ -19,7 +19,6 @@ import struct
 
 import torch
 import torch.distributed as dist
-from torch.profiler import record_function
 
 from zerolite.comm.collectives import Group, wait_for
 from zerolite.errors import RankMismatchError
@@ -69,7 +68,7 @@ def run_small(
     """`exchange_small`'s collective on ``wire`` (already on ``group.device``, modified in
     place), at any group size; the result on the CPU. Only `exchange_small` and the GPU
     checks (which have one GPU, so a group of one) call it."""
-    with record_function(f"zerolite::small_{how}"):
+    with group.launching(f"zerolite::small_{how}", what):
         if how in _OPS:
             work = dist.all_reduce(wire, op=_OPS[how], group=group.pg, async_op=True)
         elif how == "broadcast":

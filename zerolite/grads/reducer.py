@@ -22,6 +22,14 @@ checkpoint) is kept as an unreduced local gradient: the step boundary's agreemen
 on some rank, and every rank reduce-scatters every bucket once more. Correct, at the cost
 of one more round of communication for that step.
 
+[Note: repeated step] torch's ``step()`` twice without a backward applies the same gradients
+again. Stages 2-3 free the gradient shards at the step (`after_step`), so a second step
+would find no gradients and skip every parameter: silently a no-op. It is refused instead,
+on every rank (the flag rides on the step's agreement), before anything changes. A new
+gradient (from backward, or assigned by hand) or ``zero_grad()`` clears it: after
+``zero_grad()`` a step without gradients is a no-op, as in torch. (A backward that reaches
+no parameter does not: torch would apply the old gradients again.)
+
 Gradient arrival is recorded here and nowhere else: the hooks (`zerolite.grads.hooks`) own
 ``param.grad`` and hand each gradient over with one call (`add_grad` in backward;
 `add_unhooked_grad` or `set_full_grads` at the step boundary); only this class and the
@@ -62,8 +70,11 @@ class GradReducer:
         max_in_flight: reduce-scatters allowed in flight at once (>= 1).
     """
 
-    def __init__(self, buckets: list[GradBucket], group: Group, *, max_in_flight: int = 1) -> None:
+    def __init__(
+        self, buckets: list[GradBucket], group: Group, *, stage: int = 1, max_in_flight: int = 1
+    ) -> None:
         self.buckets = buckets
+        self.stage = stage
         self.group = group
         self.max_in_flight = max_in_flight
         self._next_launch = 0
@@ -75,6 +86,9 @@ class GradReducer:
         self.global_used: list[torch.Tensor] = []
         # True inside model.no_sync(): gradients stay local, nothing launches.
         self.sync_disabled = False
+        # Stages 2-3: a step used (and freed) the gradient shards, and no new gradient
+        # arrived since ([Note: repeated step]).
+        self.stepped = False
 
     @not_compiled
     def add_grad(self, b: int, i: int, grad: torch.Tensor) -> bool:
@@ -85,6 +99,7 @@ class GradReducer:
         Returns True when this gradient completed bucket ``b`` (its unit may be freed).
         """
         bucket = self.buckets[b]
+        self.stepped = False
         if bucket.in_flight:
             # A late gradient (see the module docstring): its bucket is already on its way.
             logger.debug("%s %r got a gradient after its bucket was launched; it is reduced again "
@@ -109,6 +124,7 @@ class GradReducer:
         """
         self.buckets[b].add_grad(i, grad)
         self.local_used[b][i] = True
+        self.stepped = False
 
     def set_full_grads(self, b: int, used: list[bool]) -> None:
         """Stage 1, step boundary: bucket ``b``'s ``full`` buffer holds this rank's gradients.
@@ -173,7 +189,7 @@ class GradReducer:
             counters = [self.group.sequence, self.group.step, self.group.forwards]
             local = torch.cat([
                 *self.local_used,
-                torch.tensor([unreduced]),
+                torch.tensor([self.stepped, unreduced]),
                 torch.tensor([v for c in counters for v in (c, -c)]),
             ]).to(torch.int64)
             # Over every rank (hybrid: all replica groups too), since all of them reduce.
@@ -181,9 +197,11 @@ class GradReducer:
                 local, self.group.world, "max", what="step()'s gradient agreement"
             )
             _check_lockstep(self.group, flags[-6:].tolist())
+            if flags[-8]:
+                raise _repeated_step(self.group, self.stage)
             if flags[-7]:
                 self.flush()
-            self.global_used = list(flags[:-7].bool().split([len(u) for u in self.local_used]))
+            self.global_used = list(flags[:-8].bool().split([len(u) for u in self.local_used]))
             self.reduced = True
         return self.global_used
 
@@ -193,7 +211,8 @@ class GradReducer:
         Stage 1 keeps its full gradients (``param.grad`` views them, as in torch, until
         ``zero_grad``). Stages 2-3 forget the shards: users cannot see them, and a loop that
         zeroes with ``model.zero_grad()`` or ``param.grad = None`` never reaches them, so
-        gradients are never carried across an optimizer step (as in DeepSpeed).
+        gradients are never carried across an optimizer step (as in DeepSpeed). A step
+        with no new gradient since is then refused ([Note: repeated step]).
         """
         if all(bucket.keep_full for bucket in self.buckets):
             for bucket in self.buckets:
@@ -201,6 +220,7 @@ class GradReducer:
             self.reduced = False
         else:
             self.zero()
+            self.stepped = True
 
     @not_compiled
     def zero(self) -> None:
@@ -211,11 +231,24 @@ class GradReducer:
         for used in self.local_used:
             used.zero_()
         self.reduced = False
+        self.stepped = False
 
     def _wait_in_flight(self) -> None:
         while self._in_flight:
             self._in_flight.popleft().wait()
         self._next_launch = 0
+
+
+def _repeated_step(group: Group, stage: int) -> RuntimeError:
+    """The error for a stage-2/3 step with no new gradient since the previous step."""
+    return RuntimeError(
+        f"{group.prefix()} zerolite: step() (or clipping) at step {group.step} found no "
+        f"backward since the previous step() on some rank. At stage {stage} zerolite frees "
+        "the reduced gradient shards once a step has used them, so it cannot apply the same "
+        "gradients again as torch would. Run a backward before each step(), call "
+        "zero_grad() first if a step without gradients is meant, or use stage=1, which "
+        "keeps gradients until zero_grad(). Nothing was changed."
+    )
 
 
 def _check_lockstep(group: Group, extremes: list[int]) -> None:

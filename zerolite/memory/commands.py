@@ -70,8 +70,9 @@ def add_estimate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--offload", choices=["disk", "host"], default=None,
                         help="optimizer state (and 16-bit masters) on this tier "
                              "(ZeroConfig.offload): shown as its own column")
-    parser.add_argument("--offload-fraction", type=float, default=1.0,
-                        help="fraction of each rank's shard offloaded, in (0, 1] (default 1)")
+    parser.add_argument("--offload-fraction", type=float, default=None,
+                        help="with --offload: fraction of each rank's shard offloaded, in "
+                             "(0, 1] (default 1)")
 
 
 def _gb(n: int) -> str:
@@ -127,6 +128,12 @@ def _build_model(spec: str) -> nn.Module:
 
 
 def run_estimate(args: argparse.Namespace) -> int:
+    if args.offload_fraction is not None and args.offload is None:
+        raise ValueError(
+            f"--offload-fraction {args.offload_fraction:g} needs --offload disk or --offload "
+            "host: without a tier nothing is offloaded"
+        )
+    fraction = 1.0 if args.offload_fraction is None else args.offload_fraction
     dtype = _DTYPES[args.dtype]
     reduce = _DTYPES[args.reduce_dtype] if args.reduce_dtype else None
     if args.model:
@@ -140,7 +147,7 @@ def run_estimate(args: argparse.Namespace) -> int:
           f"{args.reduce_dtype or args.dtype} gradients, {args.optimizer}; decimal GB per rank")
     offload = args.offload
     if offload is not None:
-        print(f"{args.offload_fraction:g} of each rank's optimizer state offloaded: "
+        print(f"{fraction:g} of each rank's optimizer state offloaded: "
               f"'{offload_label(offload)}' (stages 1-3; DDP keeps it)")
     print(
         f"{'stage':8s} {'params':>8s} {'grads':>8s} {'master':>8s} {'optim':>8s} "
@@ -151,7 +158,7 @@ def run_estimate(args: argparse.Namespace) -> int:
         # The estimate only lays the tier out; the directory is checked by shard().
         config = ZeroConfig(
             stage=stage, param_dtype=dtype, reduce_dtype=reduce,
-            offload=None if ddp else offload, offload_fraction=args.offload_fraction,
+            offload=None if ddp else offload, offload_fraction=fraction,
             offload_dir=tempfile.gettempdir() if offload == "disk" else None, **hybrid,
         )
         target = count if ddp else subject

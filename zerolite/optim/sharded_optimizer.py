@@ -402,6 +402,23 @@ def require_sharded_optimizer(opt: object, caller: str) -> ShardedOptimizer:
     return opt
 
 
+def require_model_of(model: object, opt: ShardedOptimizer, caller: str) -> None:
+    """Refuse a ``model`` that is not the one ``opt`` was sharded with, nor a wrapper
+    holding its parameters (``caller``: the API, for the message).
+
+    Raises:
+        ValueError: ``model`` is another model (or not a module).
+    """
+    if opt.model is model:
+        return
+    own = {id(p) for p in model.parameters()} if isinstance(model, torch.nn.Module) else set()
+    if not all(id(p) in own for flat in opt.flats for p in flat.params):
+        raise ValueError(
+            f"{caller}: model is not the model this optimizer was sharded with; pass the "
+            "model given to zerolite.shard() together with the optimizer it returned"
+        )
+
+
 def check_not_sharded(model: object, optimizer: object) -> None:
     """Refuse to shard ``model`` or ``optimizer`` a second time (`shard()` and ``estimate``).
 

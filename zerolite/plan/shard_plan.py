@@ -10,6 +10,7 @@ without building.
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -24,6 +25,7 @@ from zerolite.plan.inputs import (
     check_model,
     check_nothing_on_meta,
     check_one_device,
+    check_param_dtypes,
     refuse_sparse_gradients,
     trained_parameters,
 )
@@ -109,7 +111,7 @@ class ShardPlan:
             )
         for g, group in enumerate(param_groups):
             hyper = {k: v for k, v in group.items() if k != "params"}
-            lines.append(f"group {g}: {sorted((k, repr(v)) for k, v in hyper.items())}")
+            lines.append(f"group {g}: {sorted((k, _stable_repr(v)) for k, v in hyper.items())}")
         in_model_order = reversed([item for params in self.flat_params for item in params])
         for name, p in in_model_order:
             lines.append(f"param {name}: shape={tuple(p.shape)} group={self.group_of[id(p)]}")
@@ -174,6 +176,7 @@ def plan_layout(
         )
     refuse_sparse_gradients(model, group_of)
     source = check_one_device(managed)
+    check_param_dtypes(managed, config)
     on_meta = source.type == "meta"
     if on_meta:
         check_meta_build(model, optimizers, config)
@@ -256,3 +259,9 @@ def _unit_buffers(
         units=units,
         frozen_flat_params=[u.frozen for u in units if u.frozen],
     )
+
+
+def _stable_repr(value: Any) -> str:
+    """``repr(value)`` without memory addresses (``<object object at 0x7f..>``): they differ
+    between processes, and ranks holding equal objects in a param group must agree."""
+    return re.sub(r" at 0x[0-9a-fA-F]+", "", repr(value))

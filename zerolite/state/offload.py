@@ -85,18 +85,21 @@ class OffloadTier:
         config: the model's config (``offload_dir``).
         device: the model's device (its staging buffers are pinned for CUDA).
         rank: this rank (in the file name).
+        arena: the arena `reserve_arena` reserved (``shard()`` does, before the ranks
+            agree); None: reserve it here.
     """
 
     def __init__(
-        self, layout: OffloadLayout, config: ZeroConfig, device: torch.device, rank: int
+        self,
+        layout: OffloadLayout,
+        config: ZeroConfig,
+        device: torch.device,
+        rank: int,
+        arena: DiskArena | HostArena | None = None,
     ) -> None:
         self.layout = layout
         self.device = device
-        self.arena: DiskArena | HostArena = (
-            DiskArena(str(config.offload_dir), layout.nbytes, rank)
-            if layout.tier == "disk"
-            else HostArena(layout.nbytes)
-        )
+        self.arena = arena if arena is not None else reserve_arena(layout, config, rank)
         # Bytes the streamed step moves at once (tests lower it to split pieces).
         self.chunk_bytes = chunk_bytes_for(layout.nbytes)
         # Per slot: whether the optimizer has made its state yet (torch creates state
@@ -205,6 +208,20 @@ class OffloadTier:
         raise KeyError(f"offload slot {slot} has no field {field!r}")
 
 
+def reserve_arena(layout: OffloadLayout, config: ZeroConfig, rank: int) -> DiskArena | HostArena:
+    """The bytes ``layout`` needs, reserved in full (disk: ``posix_fallocate`` of a file
+    unlinked at once). `shard()` reserves inside the ranks' agreement, before anything
+    changes: a rank without room (a full or shared filesystem, ``ulimit -f``) raises there,
+    on every rank, and the peers' reservations are released with their arenas.
+
+    Raises:
+        ValueError: the space cannot be reserved, naming the directory and the byte count.
+    """
+    if layout.tier == "disk":
+        return DiskArena(str(config.offload_dir), layout.nbytes, rank)
+    return HostArena(layout.nbytes)
+
+
 @torch.no_grad()
 def build_tier(
     layout: OffloadLayout,
@@ -212,11 +229,13 @@ def build_tier(
     optimizer: torch.optim.Optimizer,
     config: ZeroConfig,
     rank: int,
+    arena: DiskArena | HostArena | None = None,
 ) -> OffloadTier:
-    """The tier for ``layout``, holding the offloaded pieces' masters (16-bit: their
-    values from the parameter shard) and any state the optimizer already had."""
+    """The tier for ``layout`` (in ``arena``, if reserved already), holding the offloaded
+    pieces' masters (16-bit: their values from the parameter shard) and any state the
+    optimizer already had."""
     device = masters[0].flat.data.device if masters else torch.device("cpu")
-    tier = OffloadTier(layout, config, device, rank)
+    tier = OffloadTier(layout, config, device, rank, arena)
     for index, slot in enumerate(layout.slots):
         master = masters[slot.buffer]
         span = master.flat.spans[slot.position]
