@@ -106,9 +106,10 @@ def test_communication_volume_per_step(world_size):
             expected = 2 * expected_each
             ring = 2 * (n - 1) / n * c["psi"]  # what a ring all-reduce of Psi sends per rank
             assert ring <= expected <= ring + 2 * (n - 1) ** 2 / n * len(c["buckets"]), label
-            # One flag per parameter, "unreduced", and the lockstep check (exchanges, steps and
-            # forwards, each as a max and a negated max).
-            flags = c["params"] + 1 + 6
+            # One flag per parameter, "repeated step" (a step() with no backward since the last
+            # one), "unreduced", and the lockstep check (exchanges, steps and forwards, each as
+            # a max and a negated max).
+            flags = c["params"] + 1 + 1 + 6
             if r == 0:
                 flag_calls = [(s["all_reduce_calls"], s["all_reduce_elements"]) for s in c["steps"]]
                 print(f"\n[comm ws={n}] {label}: psi={c['psi']} buckets={c['buckets']} "
@@ -125,6 +126,6 @@ def test_communication_volume_per_step(world_size):
                 assert st["isend"] == expected, f"{where}: sent {st['isend']}, expected {expected}"
                 assert st["irecv"] == expected, (
                     f"{where}: received {st['irecv']}, expected {expected}")
-                # The small flag all-reduce: one call, one int64 per parameter + 7.
+                # The small flag all-reduce: one call, one int64 per parameter + 8.
                 assert (st["all_reduce_calls"], st["all_reduce_elements"]) == (1, flags), where
                 assert st["other"] == [], f"{where}: unexpected communication {st['other']}"

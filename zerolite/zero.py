@@ -46,7 +46,6 @@ from zerolite.config import ZeroConfig
 from zerolite.grads.bucket import GradBucket
 from zerolite.grads.hooks import KeepFullGrads, ShardGradsInBackward
 from zerolite.grads.reducer import GradReducer, install_no_sync
-from zerolite.memory.footprint import footprint
 from zerolite.optim.multi import MultiOptimizer, class_name, inner_optimizers
 from zerolite.optim.repoint import repoint_optimizer
 from zerolite.optim.sharded_optimizer import ShardedOptimizer, check_not_sharded
@@ -237,6 +236,9 @@ def _announcement(sharded: ShardedOptimizer, partition: str) -> str:
     """The one line `shard()` logs on rank 0 (at INFO): that zerolite is on, how, and what
     this rank holds now (`zerolite.memory.footprint`; the optimizer's moments appear at its
     first step)."""
+    # Here, not at the top: `import zerolite` stays light (zerolite.memory loads on first use).
+    from zerolite.memory.footprint import footprint
+
     config, group, flats = sharded.config, sharded.group, sharded.flats
     dtype = str(config.param_dtype).removeprefix("torch.")
     precision = "fp32" if dtype == "float32" else f"{dtype} parameters with fp32 masters"
