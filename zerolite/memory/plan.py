@@ -174,15 +174,8 @@ def plan(
     disk_dir = offload_dir or tempfile.gettempdir()
     entries = []
     for stage, dtype, (offload, fraction), ckpt, k in combos:
-        kwargs: dict[str, Any] = {"stage": stage, "param_dtype": dtype}
-        if offload is not None:
-            kwargs["offload"] = offload
-        if offload == "disk":
-            kwargs["offload_dir"] = disk_dir
-        if fraction != 1.0:
-            kwargs["offload_fraction"] = fraction
-        if k != world_size:
-            kwargs["shard_group_size"] = k
+        kwargs = _kwargs(stage, dtype, offload, fraction, None if k == world_size else k,
+                         disk_dir)
         entries.append(_search(
             memory, batch, kwargs, ckpt,
             lambda kw, m, a, c: predict_peak(
@@ -194,6 +187,22 @@ def plan(
     fits = sorted((e for e in entries if e.fits), key=PlanEntry.cost)
     rejected = sorted((e for e in entries if not e.fits), key=lambda e: e.peak_bytes)
     return fits + rejected
+
+
+def _kwargs(stage: int, dtype: torch.dtype, offload: str | None, fraction: float,
+            group: int | None, disk_dir: str) -> dict[str, Any]:
+    """One combination's `ZeroConfig` keyword arguments, defaults left out (the line
+    `PlanEntry.zero_config_line` prints stays short)."""
+    kwargs: dict[str, Any] = {"stage": stage, "param_dtype": dtype}
+    if offload is not None:
+        kwargs["offload"] = offload
+    if offload == "disk":
+        kwargs["offload_dir"] = disk_dir
+    if fraction != 1.0:
+        kwargs["offload_fraction"] = fraction
+    if group is not None:
+        kwargs["shard_group_size"] = group
+    return kwargs
 
 
 def _group_sizes(world_size: int, sizes: Sequence[int] | None) -> list[int]:
