@@ -11,6 +11,7 @@ import torch
 
 import zerolite
 from tests.peak_cases import MODELS
+from tests.test_predict_peak import TOLERANCE
 from zerolite.cli import main
 from zerolite.memory import measure_peak, plan, predict_peak
 from zerolite.testing import run_ranks
@@ -86,3 +87,43 @@ def test_plan_function_refuses_a_zero_budget():
     model_fn, batch_fn = MODELS["gpt"]
     with pytest.raises(ValueError, match="memory must be an int >= 1"):
         plan(model_fn, batch_fn, 2, 0, 4)
+
+
+def test_plan_searches_partial_offload_and_hybrid_sharding(capsys, tmp_path):
+    # At 4 ranks stage 3 over groups of 2 sends fewer bytes than over all 4 and fits this
+    # budget, so it is the pick; within the disk tier the half offload, which streams
+    # fewer bytes, ranks before the full one. The pick then trains under the budget.
+    budget = 8 << 20
+    code = main(["plan", "--model", "tests.peak_cases:gpt", "--inputs",
+                 "tests.peak_cases:gpt_batch", "--world-size", "4", "--batch", "4",
+                 "--stages", "3", "--param-dtypes", "fp32", "--checkpointing", "off",
+                 "--offload", "none,disk", "--offload-fractions", "1,0.5",
+                 "--offload-dir", str(tmp_path),
+                 "--memory", str(budget), "--json"])
+    entries = json.loads(capsys.readouterr().out)
+    assert code == 0 and all(e["fits"] for e in entries)
+    pick = entries[0]
+    assert pick["config"].get("shard_group_size") == 2, entries
+    plain = next(e for e in entries if e["config"] == {"stage": 3, "param_dtype": "float32"})
+    assert pick["communication_bytes"] < plain["communication_bytes"]
+    disk = [e for e in entries if e["config"].get("offload") == "disk"
+            and "shard_group_size" not in e["config"]]
+    assert [e["config"].get("offload_fraction", 1.0) for e in disk] == [0.5, 1.0]
+    assert 0 < disk[0]["offloaded_bytes"] < disk[1]["offloaded_bytes"]
+    measured = max(run_ranks(_train, 4, pick))
+    assert measured <= budget
+    # tests/test_predict_peak.py's TOLERANCE (the goal; byte-exact on this CPU).
+    assert abs(measured - pick["peak_bytes"]) <= TOLERANCE * measured, (measured, pick)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"shard_group_sizes": [3]}, r"shard group sizes \[3\] do not divide world_size 4"),
+        ({"offload_fractions": [0.0]}, r"offload_fractions must be numbers in \(0, 1\]"),
+    ],
+)
+def test_plan_function_refuses_a_bad_search(kwargs, message):
+    model_fn, batch_fn = MODELS["gpt"]
+    with pytest.raises(ValueError, match=message):
+        plan(model_fn, batch_fn, 4, 1 << 30, 4, **kwargs)

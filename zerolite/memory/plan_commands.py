@@ -64,6 +64,19 @@ def _choices(table: dict[str, Any]) -> Callable[[str], list[Any]]:
     return parse
 
 
+def _list_of(kind: Callable[[str], Any], what: str) -> Callable[[str], list[Any]]:
+    """A comma-separated list, each item parsed by ``kind`` (ValueError: not ``what``)."""
+    def parse(text: str) -> list[Any]:
+        try:
+            values = [kind(t) for t in text.split(",") if t.strip()]
+        except ValueError:
+            values = []
+        if not values:
+            raise argparse.ArgumentTypeError(f"{text!r}: give a comma-separated list of {what}")
+        return values
+    return parse
+
+
 def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", metavar="MODULE:FUNCTION", required=True,
                         help="a function returning the model, e.g. examples.gpt:GPT (built on "
@@ -85,6 +98,13 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
                         help="parameter dtypes to consider: fp32,bf16,fp16 (default fp32,bf16)")
     parser.add_argument("--offload", type=_choices(_OFFLOADS), default=[None, "host", "disk"],
                         help="offload tiers to consider: none,host,disk (default all)")
+    parser.add_argument("--offload-fractions", type=_list_of(float, "fractions in (0, 1]"),
+                        default=[0.5, 1.0],
+                        help="offload_fraction values for each offload tier (default 0.5,1)")
+    parser.add_argument("--shard-group-sizes", type=_list_of(int, "integers"), default=None,
+                        help="shard group sizes k, divisors of --world-size (k < world size: "
+                             "hybrid sharding; default: the world size and every divisor "
+                             "between 1 and it)")
     parser.add_argument("--checkpointing", type=_choices(_SWITCH), default=[False, True],
                         help="activation checkpointing: off,on (default both)")
     parser.add_argument("--offload-dir", default=None,
@@ -96,7 +116,8 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
 def _row(e: PlanEntry) -> str:
     c = e.config
     what = (f"stage {c['stage']} {str(c['param_dtype']).removeprefix('torch.'):8s} "
-            f"offload {c.get('offload') or 'none':4s} "
+            f"offload {_offload(c):9s} "
+            f"group {c.get('shard_group_size', 'all')!s:3s} "
             f"ckpt {'on ' if e.activation_checkpointing else 'off'} "
             f"micro-batch {e.micro_batch} x {e.accumulation}")
     if e.fits:
@@ -105,12 +126,19 @@ def _row(e: PlanEntry) -> str:
     return f"  no    {what}: {e.reason}"
 
 
+def _offload(config: dict[str, Any]) -> str:
+    tier = config.get("offload")
+    fraction = config.get("offload_fraction", 1.0)
+    return "none" if tier is None else tier if fraction == 1.0 else f"{tier} x{fraction:g}"
+
+
 def run_plan(args: argparse.Namespace) -> int:
     model_fn = load_function(args.model, "--model")
     batch_fn = load_function(args.inputs, "--inputs")
     entries = plan(
         model_fn, batch_fn, args.world_size, args.memory, args.batch, stages=args.stages,
         param_dtypes=args.param_dtypes, offloads=args.offload, checkpointing=args.checkpointing,
+        offload_fractions=args.offload_fractions, shard_group_sizes=args.shard_group_sizes,
         offload_dir=args.offload_dir, device=args.device,
     )
     if args.json:
