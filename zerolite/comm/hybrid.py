@@ -199,14 +199,18 @@ def average_across_replicas(
             return
         n = replicas.size
         part = -(-out.numel() // n)
-        full = torch.zeros(part * n, dtype=out.dtype, device=out.device)
-        full[: out.numel()] = out
+        padded = part * n != out.numel()
+        full = out  # in place; a padded copy only when R does not divide the shard
+        if padded:
+            full = torch.zeros(part * n, dtype=out.dtype, device=out.device)
+            full[: out.numel()] = out
         mine = chunk_of(full, replicas.rank, part)
         reduced = torch.empty_like(mine)
         reduce_scatter_avg(full, reduced, replicas, key=key, what=label).wait()
         mine.copy_(reduced)
         all_gather_inplace(full, replicas, key=key, what=label).wait()
-        out.copy_(full[: out.numel()])
+        if padded:
+            out.copy_(full[: out.numel()])
 
     return Pending(finish=finish, group=group, what=what)
 

@@ -3,14 +3,8 @@
 The prediction runs the real thing on fake tensors (`zerolite.memory.fake_step`): the
 model is built, `zerolite.shard` shards it as rank ``r`` of ``N`` in a simulated world
 (`zerolite.comm.simulated`: no other process, every exchange completes at once) and two
-optimizer steps run, each of ``accumulation`` micro-steps, as a training loop would::
-
-    for _ in range(accumulation):
-        loss = model(**batch_fn(micro_batch))          # or its .loss
-        (loss / accumulation).backward()
-    opt.clip_grad_norm_(max_grad_norm)                 # when max_grad_norm is not None
-    opt.step()
-    opt.zero_grad()
+optimizer steps run, each of ``accumulation`` micro-steps, as a training loop would (the
+loop in `zerolite.memory.loop`, which `measure_peak` runs for real).
 
 Every storage the real code would allocate is counted when it is made and when it is
 freed (`zerolite.memory.ledger`), so parameters, gradients, masters, optimizer state,
