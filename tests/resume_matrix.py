@@ -8,11 +8,12 @@ other (`tests/test_resume_matrix.py` says what is checked). `accepted` is
 groups of 2 need 4 ranks here), so when another helper lifts a refusal there, its
 layouts join these pairs too.
 
-`layouts` picks, greedily and deterministically, a few accepted layouts holding every
-value of every axis (world size 2 preferred: it is the cheapest launch that shards);
-`pairs` crosses them as a cycle at two offsets, ``L[i] -> L[i + 1]`` and
-``L[i] -> L[i + 2]``, so every value is saved from and loaded into at least twice, each
-time with most other axes changing too. Adding a value to `AXES` adds it to the pairs.
+`layouts` picks, greedily and deterministically, accepted layouts holding every value of
+every axis `TIMES` times (world size 2 preferred: the cheapest that shards; each next
+one differing from the last on as many axes as it can); `pairs` crosses them as a cycle
+at `OFFSETS`, ``L[i] -> L[i + 1]`` and ``L[i] -> L[i + 2]``, so every value is saved
+from and loaded into at least four times, most other axes changing with it (8 layouts,
+16 pairs today). Adding a value to `AXES` adds it to the pairs.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ AXES: dict[str, tuple] = {
 }
 OFFSETS = (1, 2)
 TIMES = 2
-COST = {1: 1, 2: 0, 4: 2}  # launch cost per world size: 2 is cheapest among sharded ones
+COST = {1: 1, 2: 0, 4: 2}  # preference per world size: 2 is the cheapest that shards
 
 
 def _as_combination(layout: dict) -> dict:

@@ -36,9 +36,9 @@ def _build(group, k: int | None = None):
     return model, zerolite.shard(model, parity.make_optimizer("SGD", model), config)
 
 
-def _resume(root: Path, name: str, group, *, drop: bool = False) -> list[float]:
+def _resume(root: Path, name: str, group, *, drop: bool = False, train: bool = True) -> list:
     """Load ``name`` under ``group``, save it again as ``name@N`` (or, with ``drop``, zero
-    the residuals), train `AFTER` steps."""
+    the residuals); then, with ``train``, the losses of `AFTER` steps."""
     model, opt = _build(group)
     ckpt.load(root / name, model, opt)
     if drop:
@@ -46,6 +46,8 @@ def _resume(root: Path, name: str, group, *, drop: bool = False) -> list[float]:
             flat.exchange.residual.zero_()
     else:
         ckpt.save(root / f"{name}@{dist.get_world_size(group)}", model, opt)
+    if not train:
+        return []
     return _train(model, opt, parity.batches(BEFORE + AFTER)[BEFORE:], group)
 
 
@@ -67,9 +69,9 @@ def _rank(root: str) -> dict:
         ckpt.save(root_ / "flat2", model, opt)
         out["folded"] = _resume(root_, "flat4", pair)
         out["dropped"] = _resume(root_, "flat4", pair, drop=True)
-        _resume(root_, "hybrid4", pair)
+        _resume(root_, "hybrid4", pair, train=False)
     dist.barrier()
-    _resume(root_, "flat2", None)
+    _resume(root_, "flat2", None, train=False)
     return out
 
 
@@ -85,4 +87,6 @@ def test_residuals_keep_what_they_owe_across_world_sizes(tmp_path):
     straight = report["straight"]
     folded = sum(parity.loss_deviations(report["folded"], straight))
     dropped = sum(parity.loss_deviations(report["dropped"], straight))
-    assert folded < dropped, (folded, dropped)
+    print(f"sum of relative loss deviations from the uninterrupted run over {AFTER} steps: "
+          f"residuals folded {folded:.3e}, dropped {dropped:.3e}")
+    assert folded < dropped, f"resumed with residuals {folded:.3e}, dropped {dropped:.3e}"
