@@ -71,7 +71,7 @@ docs-serve: $(STAMP)
 # Every accepted combination of features (tests/combination_matrix.py), not only the pairwise
 # set that `make test` runs: long.
 test-matrix: $(STAMP)
-	$(VENV)/bin/python -m pytest -q -m slow tests/test_combination_matrix.py
+	$(VENV)/bin/python -m pytest -q -m slow tests/test_combination_matrix.py tests/test_resume_matrix.py
 
 test-kernels: $(STAMP)
 	@set -e; $(foreach family,$(KERNEL_FAMILIES),\

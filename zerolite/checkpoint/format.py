@@ -20,8 +20,9 @@ Requirements it meets:
   shards frozen parameters too: each rank writes its
   ranges as ``frozen/{name}/{start}-{end}`` (in the parameter dtype) instead of rank 0
   writing them whole. With ``ZeroConfig.quantize_reduce``'s error feedback each file
-  also holds its rank's residuals, ``residual/{name}/{start}-{end}`` (restored at the same
-  world size and layout only, see `zerolite.checkpoint.residuals`). The index holds
+  also holds its rank's residuals, ``residual/{name}/{start}-{end}`` (hybrid: every
+  replica's, by replica index), read back under any layout
+  (`zerolite.checkpoint.residual_fold`). The index holds
   hyperparameters, the loss scaler, scheduler states, the step and the user's ``extra``.
 - **Verified.** The index records every file's byte size and sha256, and the index's
   own sha256 sits beside it in ``index.json.sha256``, written last and checked first, so

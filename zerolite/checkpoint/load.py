@@ -44,7 +44,7 @@ from zerolite.checkpoint.groups import (
 )
 from zerolite.checkpoint.json_codec import decode
 from zerolite.checkpoint.range_reader import PieceReader, RangeReader
-from zerolite.checkpoint.residuals import apply_residuals, read_residuals
+from zerolite.checkpoint.residual_fold import apply_residuals, read_residuals
 from zerolite.checkpoint.save import model_only_tensors
 from zerolite.checkpoint.schedulers import apply_schedulers, plan_schedulers, restore_schedulers
 from zerolite.comm import runtime
@@ -303,16 +303,9 @@ def _read_optimizer_side(
         raise CheckpointError(f"{path}: {exc}") from None
     check_hyperparameters(read.hyper, optimizer.param_groups, path)
     read.pieces, read.offloaded, read.piece_reader = _read_rank_state(path, index, optimizer)
-    # Residuals are exact only in the layout they were saved in (hybrid: the file of this
-    # rank's shard holds every replica's).
-    shards = optimizer.group
-    same_layout = (
-        index["world_size"] == shards.size
-        and index.get("replicas", 1) == shards.world.size // shards.size
-    )
-    read.residuals = read_residuals(
-        path / index["files"][shards.rank]["file"] if same_layout else None, optimizer
-    )
+    # Exact in the saved layout, folded onto this one elsewhere (the files of every rank's
+    # residuals; hybrid: the file of a shard holds every replica's).
+    read.residuals = read_residuals(path, index, optimizer)
 
 
 def _read_model_side(

@@ -77,30 +77,66 @@ class PieceReader:
         self.keys = state_keys(path, index)
 
     def read(self, piece: Piece) -> tuple[torch.Tensor, dict]:
-        """The piece's fp32 values (in the master's shape) and optimizer state."""
+        """The piece's fp32 values (in the master's shape) and optimizer state.
+
+        Raises:
+            CheckpointError: the saved state of a parameter has a shape of its own (not one
+                value per element, e.g. Adafactor's row and column factors of a matrix
+                stepped whole under ``partition="tensor"``) and this layout cuts the
+                parameter into pieces or flattens it: it has no per-element meaning here."""
         name, s, e = piece.name, piece.param_start, piece.param_end
         shape = piece.master.shape  # 1-D, or the parameter's under whole-tensor ownership
         values = self.reader.read(master_key, name, s, e).float().view(shape)
         state = {}
-        for key, scalar in self.keys.get(name, {}).items():
+        for key, kind in self.keys.get(name, {}).items():
+            if kind == SHAPED:
+                self._check_whole(piece, key)
             value = self.reader.read(
-                lambda n, a, b, k=key: state_key(k, n, a, b), name, s, e, scalar=scalar
+                lambda n, a, b, k=key: state_key(k, n, a, b), name, s, e, scalar=kind == SCALAR
             )
             # Per-element state is saved flat; state of its own shape comes back as saved.
-            per_element = not scalar and value.dim() == 1 and value.numel() == e - s
+            per_element = kind == ELEMENT and value.dim() == 1 and value.numel() == e - s
             state[key] = value.view(shape) if per_element else value
         return values, state
 
+    @staticmethod
+    def _check_whole(piece: Piece, key: str) -> None:
+        param_shape = piece.flat.shapes[piece.index]
+        if piece.master.shape == param_shape:  # stepped whole, as it was saved
+            return
+        raise CheckpointError(
+            f"parameter {piece.name!r}: its saved optimizer state {key!r} has a shape of its "
+            "own (the optimizer stepped the parameter whole, under partition='tensor'), "
+            "which has no per-element meaning when the parameter is cut into flat pieces; "
+            "load it with ZeroConfig(partition='tensor') (any world size and stage that "
+            "accept it), or restart the optimizer from the saved weights: "
+            "zerolite.checkpoint.consolidate(path, 'weights.safetensors') then "
+            "zerolite.checkpoint.load_pretrained(model, ['weights.safetensors'])"
+        )
 
-def state_keys(path: Path, index: dict[str, Any]) -> dict[str, dict[str, bool]]:
-    """name -> {state key: is_scalar}, from the first file holding each parameter."""
-    out: dict[str, dict[str, bool]] = {}
+
+SCALAR, ELEMENT, SHAPED = "scalar", "element", "shaped"
+
+
+def state_keys(path: Path, index: dict[str, Any]) -> dict[str, dict[str, str]]:
+    """name -> {state key: how it was saved}, from the first file holding each parameter:
+    `SCALAR` (0-dim), `ELEMENT` (one value per element of its range, flat) or `SHAPED`
+    (a shape of its own: state of a parameter stepped whole, read back whole)."""
+    out: dict[str, dict[str, str]] = {}
     for entry in index["files"]:
         with safe_open(path / entry["file"], framework="pt") as f:
             for key in f.keys():
                 if not key.startswith("state/"):
                     continue
                 _, skey, rest = key.split("/", 2)
-                name = rest.rsplit("/", 1)[0]
-                out.setdefault(name, {})[skey] = len(f.get_slice(key).get_shape()) == 0
+                name, span = rest.rsplit("/", 1)
+                start, end = (int(x) for x in span.split("-"))
+                dims = f.get_slice(key).get_shape()
+                if not dims:
+                    kind = SCALAR
+                elif len(dims) == 1 and dims[0] == end - start:
+                    kind = ELEMENT
+                else:
+                    kind = SHAPED
+                out.setdefault(name, {}).setdefault(skey, kind)
     return out

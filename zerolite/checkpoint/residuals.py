@@ -16,22 +16,18 @@ save: ``residual@replica{q}/{name}/{start}-{end}``,
 ``residual-across@replica{q}/send/{name}/{start}-{end}`` and ``.../gather/...`` for
 replica ``q``.
 
-A load at the same world size, shard group size and flat-buffer layout restores them
-exactly, so a resumed run continues bit for bit. Anywhere else (another world size, k or
-bucket size, a checkpoint saved without error feedback) they are not meaningful per rank
-and restart from zero: what is dropped is at most one exchange's quantization error per
-element (half a block's scale), delivered to no step -- a one-step perturbation, logged
-as a warning.
+Every key names a parameter's element range and, through the file and the replica index,
+the data-parallel rank that holds it, so any layout can read them back:
+`zerolite.checkpoint.residual_fold` restores them exactly where the layout is the saved one
+and folds them onto another layout elsewhere.
 """
 
 from __future__ import annotations
 
-import logging
+import dataclasses
 from collections.abc import Iterator
-from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 from zerolite.comm.collectives import gather
 from zerolite.comm.quantized import residual_chunks
@@ -39,14 +35,12 @@ from zerolite.comm.quantized_replicas import replica_residual_rows
 from zerolite.optim.sharded_optimizer import ShardedOptimizer
 from zerolite.params.flat_buffer import FlatParamBuffer
 
-__all__ = ["residual_tensors", "gather_replica_residuals", "read_residuals", "apply_residuals"]
-
-logger = logging.getLogger(__name__)
+__all__ = ["PREFIX", "Slot", "gather_replica_residuals", "replica_of", "residual_tensors", "slots"]
 
 PREFIX = "residual/"
 
 
-def _replica(opt: ShardedOptimizer) -> int | None:
+def replica_of(opt: ShardedOptimizer) -> int | None:
     """This rank's index in its replica group; None when not hybrid (flat keys)."""
     replicas = opt.group.replicas
     return None if replicas is None or replicas.size == 1 else replicas.rank
@@ -64,39 +58,67 @@ def _ranges(
             yield flat.names[span.index], first, first + end - start, start - lo
 
 
-def _views(opt: ShardedOptimizer, replica: int | None) -> Iterator[tuple[str, torch.Tensor]]:
-    """(key, 1-D fp32 view of a residual) for every range this rank sends quantized with
-    error feedback; keys name replica ``replica`` (None: flat keys). What each residual row
-    holds is its exchange's (`zerolite.comm.quantized.residual_chunks`,
+@dataclasses.dataclass(frozen=True)
+class Slot:
+    """One range of a residual this rank holds: a parameter's elements ``[start, end)``,
+    whose gradient goes to chunk ``chunk`` of the shard group (its owner's). ``kind``:
+    ``"inner"`` (the shard group's reduce-scatter, what this rank's contribution lost),
+    ``"send"`` or ``"gather"`` (hybrid's cross-node step, phase 1 or 2)."""
+
+    key: str
+    view: torch.Tensor  # 1-D fp32, a view of the live residual
+    kind: str
+    name: str
+    start: int
+    end: int
+    chunk: int
+    crossed: bool  # the owner of these elements holds a cross-node residual for them
+
+
+def slots(opt: ShardedOptimizer, replica: int | None) -> Iterator[Slot]:
+    """Every range this rank sends quantized with error feedback; keys name replica
+    ``replica`` (None: flat keys). What each residual row holds is its exchange's
+    (`zerolite.comm.quantized.residual_chunks`,
     `zerolite.comm.quantized_replicas.replica_residual_rows`)."""
     n, rank = opt.group.size, opt.group.rank
     within = PREFIX if replica is None else f"residual@replica{replica}/"
     across = f"residual-across@replica{replica}/"
     for flat in opt.flats:
         exchange = flat.exchange
+        crossed = exchange.replica_residual is not None and replica is not None
         if exchange.residual is not None:
             shard = flat.layout.shard_numel
             for row, chunk in zip(exchange.residual, residual_chunks(rank, n)):
                 for name, start, end, at in _ranges(flat, chunk, 0, shard):
-                    yield f"{within}{name}/{start}-{end}", row[at : at + end - start]
+                    view = row[at : at + end - start]
+                    key = f"{within}{name}/{start}-{end}"
+                    yield Slot(key, view, "inner", name, start, end, chunk, crossed)
         if exchange.replica_residual is not None and replica is not None:
             r, part = exchange.replica_residual.shape
             rows = replica_residual_rows(replica, r)
             for row, (d, phase) in zip(exchange.replica_residual, rows):
                 for name, start, end, at in _ranges(flat, rank, d * part, (d + 1) * part):
-                    yield f"{across}{phase}/{name}/{start}-{end}", row[at : at + end - start]
+                    view = row[at : at + end - start]
+                    key = f"{across}{phase}/{name}/{start}-{end}"
+                    yield Slot(key, view, phase, name, start, end, rank, crossed)
+
+
+def _views(opt: ShardedOptimizer, replica: int | None) -> Iterator[tuple[str, torch.Tensor]]:
+    """(key, 1-D fp32 view) of every `slots` range."""
+    for slot in slots(opt, replica):
+        yield slot.key, slot.view
 
 
 def residual_tensors(opt: ShardedOptimizer) -> dict[str, torch.Tensor]:
     """This rank's residuals by checkpoint key (views; the caller copies them to CPU)."""
-    return dict(_views(opt, _replica(opt)))
+    return dict(_views(opt, replica_of(opt)))
 
 
 def gather_replica_residuals(opt: ShardedOptimizer) -> dict[str, torch.Tensor]:
     """Hybrid sharding: the residuals of every other replica of this rank's shard, by their
     keys, on the first replica (the one that writes the shard's file); {} elsewhere, and
     when not hybrid or without residuals. Every rank of the replica group must call."""
-    q = _replica(opt)
+    q = replica_of(opt)
     replicas = opt.group.replicas
     if q is None or replicas is None:
         return {}
@@ -116,34 +138,3 @@ def gather_replica_residuals(opt: ShardedOptimizer) -> dict[str, torch.Tensor]:
             out[key] = received[other][at : at + view.numel()]
             at += view.numel()
     return out
-
-
-def read_residuals(
-    file: Path | None, opt: ShardedOptimizer
-) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """(target view, saved values) for every residual of ``opt``, read from ``file`` (the
-    saved file of this rank's shard when the checkpoint's layout is this one, else None);
-    zeros when they cannot be restored exactly (see the module docstring), after a
-    warning. Reads only."""
-    views = list(_views(opt, _replica(opt)))
-    if not views:
-        return []
-    if file is not None:
-        with safe_open(file, framework="pt") as f:
-            keys = set(f.keys())
-            if all(key in keys for key, _ in views):
-                pairs = [(target, f.get_tensor(key)) for key, target in views]
-                if all(values.shape == target.shape for target, values in pairs):
-                    return pairs
-    logger.warning(
-        "%s zerolite: the checkpoint holds no error-feedback residuals for this world size and "
-        "layout; they restart from zero (at most one exchange's quantization error is dropped)",
-        opt.group.prefix(),
-    )
-    return [(target, torch.zeros_like(target)) for _, target in views]
-
-
-def apply_residuals(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """Write what `read_residuals` returned (after every rank has read successfully)."""
-    for target, values in pairs:
-        target.copy_(values)
