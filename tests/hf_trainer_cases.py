@@ -273,20 +273,38 @@ def _generate_in_eval_callback(out: Path) -> dict[str, Any]:
 
 
 def _bf16(out: Path) -> dict[str, Any]:
+    """``args.bf16`` with the default recipe (the stock Trainer's: fp32 parameters under the
+    Accelerator's autocast) and with zerolite's bf16 parameters asked for explicitly."""
+    import zerolite
+
+    return {"default": _bf16_run(out / "default", None),
+            "bf16_params": _bf16_run(out / "params",
+                                     zerolite.ZeroConfig(param_dtype=torch.bfloat16))}
+
+
+def _bf16_run(out: Path, config: Any) -> dict[str, Any]:
     import zerolite
     from zerolite.hf import ZeroTrainer
 
     trainer = ZeroTrainer(
-        model=make_model(), args=make_args(out, max_steps=2, bf16=True), train_dataset=TokenData()
+        model=make_model(), args=make_args(out, max_steps=2, bf16=True), train_dataset=TokenData(),
+        zero_config=config,
     )
+    computed: set[str] = set()  # what the linear layers output in training
+    for module in trainer.model.modules():
+        if isinstance(module, torch.nn.Linear):
+            module.register_forward_hook(
+                lambda m, args, out: computed.add(str(out.dtype)) if m.training else None)
     trainer.train()
     trainer.save_model(str(out / "model"))  # as the stock --bf16 run: fp32 (the masters)
     masters = zerolite.full_state_dict(trainer.model, masters=True)
+    params = zerolite.full_state_dict(trainer.model)
     opt = trainer.optimizer.optimizer
     result = {
         "stage": trainer.zero_config.stage,
         "param_dtypes": sorted({str(p.dtype) for p in trainer.model.parameters()}),
         "master_dtypes": sorted({str(p.dtype) for g in opt.param_groups for p in g["params"]}),
+        "compute_dtypes": sorted(computed),
         "finite": bool(steps(trainer)) and all(
             torch.isfinite(torch.tensor(s[1:])).all().item() for s in steps(trainer)),
     }
@@ -297,6 +315,8 @@ def _bf16(out: Path) -> dict[str, Any]:
         state = loaded.state_dict()
         result["saved_dtype"] = str(loaded.dtype)
         result["saved_is_masters"] = all(torch.equal(state[k], v) for k, v in masters.items())
+        result["params_are_masters"] = all(
+            torch.equal(params[k].float(), v) for k, v in masters.items())
     return result
 
 

@@ -62,16 +62,23 @@ def make_model(head: str) -> Any:
         hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
 
 
-def _prepared(stage: int, precision: str, head: str) -> tuple[Any, ...]:
+def _prepared(stage: int | None, precision: str, head: str) -> tuple[Any, ...]:
+    """Stage ``None``: stock Accelerate (DDP). Precision ``"bf16_params"``: Accelerate's bf16
+    with zerolite's 16-bit recipe asked for explicitly (``ZeroConfig.param_dtype``)."""
+    from accelerate import Accelerator
     from transformers import get_scheduler
 
     import zerolite
     from zerolite.accelerate import ZeroAccelerator
 
-    accelerator = ZeroAccelerator(
-        zero_config=zerolite.ZeroConfig(stage=stage), cpu=True, mixed_precision=precision,
-        gradient_accumulation_steps=ACCUMULATION,
-    )
+    kwargs = {"cpu": True, "mixed_precision": precision.removesuffix("_params"),
+              "gradient_accumulation_steps": ACCUMULATION}
+    if stage is None:
+        accelerator = Accelerator(**kwargs)
+    else:
+        params = {"param_dtype": torch.bfloat16} if precision == "bf16_params" else {}
+        accelerator = ZeroAccelerator(zero_config=zerolite.ZeroConfig(stage=stage, **params),
+                                      **kwargs)
     model = make_model(head)
     decay = [p for n, p in model.named_parameters() if "bias" not in n and "norm" not in n.lower()]
     rest = [p for n, p in model.named_parameters() if "bias" in n or "norm" in n.lower()]
@@ -116,6 +123,7 @@ def accelerate_loop(
         restored = _fingerprint(accelerator, model, sched)
     saves: list[str] = []
     at_save: dict[str, Any] = {}  # the state each folder's last save held
+    compute_dtypes = _watch_compute_dtypes(model)
     for epoch in range(epoch0, math.ceil(TOTAL_STEPS / per_epoch)):
         model.train()
         active = accelerator.skip_first_batches(train, skip) if skip and epoch == epoch0 else train
@@ -150,8 +158,38 @@ def accelerate_loop(
         "masters": zerolite.full_state_dict(unwrapped, rank0_only=False, masters=True),
         "params": zerolite.full_state_dict(unwrapped, rank0_only=False),
         "param_dtypes": sorted({str(p.dtype) for p in unwrapped.parameters()}),
+        "compute_dtypes": sorted(compute_dtypes),
         "marker_runs": sorted({(out_dir / s / "zerolite_run.json").read_text() for s in saves}),
     }
+
+
+def _watch_compute_dtypes(model: Any) -> set[str]:
+    """The dtypes the model's linear layers (GPT-2's ``Conv1D`` included) output in training,
+    filled as it runs: bf16 where Accelerate's autocast reaches them."""
+    seen: set[str] = set()
+    for module in model.modules():
+        if type(module).__name__ in ("Linear", "Conv1D"):
+            module.register_forward_hook(
+                lambda m, args, out: seen.add(str(out.dtype)) if m.training else None)
+    return seen
+
+
+def stock_parity_loop(stage: int | None) -> dict[str, Any]:
+    """One epoch of the bf16 loop (no saves), by stock Accelerate (``stage=None``, DDP) or
+    `ZeroAccelerator` at ``stage`` with its default recipe: per-micro-step losses and the
+    final weights, for a bitwise comparison."""
+    accelerator, model, opt, train, _, sched = _prepared(stage, "bf16", "clm")
+    model.train()
+    losses = []
+    for batch in train:
+        with accelerator.accumulate(model):
+            loss = model(**batch).loss
+            accelerator.backward(loss)
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+        losses.append(loss.item())
+    return {"losses": losses, "state": accelerator.get_state_dict(model)}
 
 
 def _fingerprint(accelerator: Any, model: Any, sched: Any) -> dict[str, Any]:

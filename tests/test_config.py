@@ -83,22 +83,26 @@ def test_is_set_tells_given_fields_from_defaults(monkeypatch):
 
 
 def test_integrations_fill_only_an_unset_param_dtype(monkeypatch):
-    """Accelerate's mixed_precision and a Trainer's args.bf16 choose param_dtype unless the
-    config (argument or ZEROLITE_PARAM_DTYPE) says otherwise."""
+    """Accelerate's ``mixed_precision='bf16'`` and a Trainer's ``args.bf16`` keep fp32
+    parameters (the host framework's recipe: its autocast computes in bf16) unless the config
+    (argument or ZEROLITE_PARAM_DTYPE) asks for zerolite's bf16 parameters."""
     from types import SimpleNamespace
 
     from zerolite.accelerate import zero_config_for
+    from zerolite.hf import zero_config_for_args
 
     monkeypatch.delenv("ZEROLITE_PARAM_DTYPE", raising=False)
     bf16 = SimpleNamespace(mixed_precision="bf16", device=torch.device("cpu"))
-    assert zero_config_for(bf16, ZeroConfig(stage=3)).param_dtype == torch.bfloat16
-    assert zero_config_for(bf16, None).param_dtype == torch.bfloat16
-    assert (
-        zero_config_for(bf16, ZeroConfig(stage=3, param_dtype=torch.float32)).param_dtype
-        == torch.float32
-    )
-    monkeypatch.setenv("ZEROLITE_PARAM_DTYPE", "fp32")
+    args = SimpleNamespace(bf16=True, fp16=False, device=torch.device("cpu"))
     assert zero_config_for(bf16, ZeroConfig(stage=3)).param_dtype == torch.float32
+    assert zero_config_for(bf16, None).param_dtype == torch.float32
+    assert zero_config_for_args(args, None).param_dtype == torch.float32
+    explicit = ZeroConfig(stage=3, param_dtype=torch.bfloat16)  # zerolite's 16-bit recipe
+    assert zero_config_for(bf16, explicit).param_dtype == torch.bfloat16
+    assert zero_config_for_args(args, explicit).param_dtype == torch.bfloat16
+    monkeypatch.setenv("ZEROLITE_PARAM_DTYPE", "bf16")
+    assert zero_config_for(bf16, ZeroConfig(stage=3)).param_dtype == torch.bfloat16
+    assert zero_config_for_args(args, None).param_dtype == torch.bfloat16
 
 
 def test_stages_compose():

@@ -151,18 +151,24 @@ def test_stage3_with_gradient_checkpointing_matches_ddp(runs: dict, reentrant: b
     )
 
 
-def test_bf16_args_mean_bf16_parameters_and_fp32_masters(runs: dict) -> None:
+def test_bf16_args_keep_fp32_parameters_under_autocast_as_the_stock_trainer(runs: dict) -> None:
     bf16 = runs["bf16"]
-    assert bf16 == {
+    common = {
         "stage": 2,
-        "param_dtypes": ["torch.bfloat16"],
         "master_dtypes": ["torch.float32"],
+        "compute_dtypes": ["torch.bfloat16"],  # the Accelerator's autocast reaches the model
         "finite": True,
         # save_model writes what the stock --bf16 run writes (its parameters stay fp32):
         # the fp32 masters, and a config.json that makes from_pretrained load float32.
         "saved_dtype": "torch.float32",
         "saved_is_masters": True,
     }
+    # The stock Trainer's recipe by default: fp32 parameters, their own masters.
+    assert bf16["default"] == {
+        **common, "param_dtypes": ["torch.float32"], "params_are_masters": True}
+    # zerolite's 16-bit recipe when asked for: what is saved is not the bf16 rounding.
+    assert bf16["bf16_params"] == {
+        **common, "param_dtypes": ["torch.bfloat16"], "params_are_masters": False}
 
 
 def test_save_model_then_from_pretrained_gives_the_gathered_parameters(runs: dict) -> None:
@@ -231,7 +237,7 @@ def test_unsupported_arguments_are_refused_at_construction(
     assert runs["errors"][case].startswith(expected), runs["errors"][case]
 
 
-def test_args_bf16_fills_param_dtype_unless_the_config_sets_it(monkeypatch) -> None:
+def test_args_bf16_keeps_fp32_params_unless_the_config_sets_bf16(monkeypatch) -> None:
     from types import SimpleNamespace
 
     import zerolite
@@ -239,9 +245,10 @@ def test_args_bf16_fills_param_dtype_unless_the_config_sets_it(monkeypatch) -> N
 
     monkeypatch.delenv("ZEROLITE_PARAM_DTYPE", raising=False)
     args = SimpleNamespace(bf16=True, fp16=False, device=torch.device("cpu"))
-    assert zero_config_for_args(args, zerolite.ZeroConfig(stage=3)).param_dtype == torch.bfloat16
-    explicit = zerolite.ZeroConfig(stage=3, param_dtype=torch.float32)  # bf16 autocast, fp32 params
-    assert zero_config_for_args(args, explicit).param_dtype == torch.float32
+    # The stock Trainer's recipe: fp32 parameters, bf16 autocast.
+    assert zero_config_for_args(args, zerolite.ZeroConfig(stage=3)).param_dtype == torch.float32
+    explicit = zerolite.ZeroConfig(stage=3, param_dtype=torch.bfloat16)  # zerolite's recipe
+    assert zero_config_for_args(args, explicit).param_dtype == torch.bfloat16
 
 
 def test_generate_in_an_eval_callback_at_stage_3(runs: dict) -> None:

@@ -10,11 +10,14 @@ Rank bodies in tests/stock_loop_cases.py (their docstring lists the shapes). Wha
   One of an ``epoch_N`` folder ends bitwise where the uninterrupted run ends (unshuffled
   data, no dropout, so nothing else differs).
 - ``gather_for_metrics`` returns exactly the eval set (7 samples over 2 ranks).
+- ``mixed_precision='bf16'`` is Accelerate's recipe by default (fp32 parameters under its
+  autocast, which reaches the model at every stage): at stage 1 the loop is bitwise the
+  stock (DDP) one; the log line names the recipe.
 - ``save_pretrained(..., save_function=accelerator.save)`` on every rank writes what
-  ``get_state_dict`` returns: the fp32 masters (bitwise), also at stage 3 and in bf16,
-  where they differ from the bf16 parameters; ``from_pretrained`` loads float32, as the
-  stock run's. The GLUE shape (another head) predicts on one process from the saved model
-  what the gathered predictions said.
+  ``get_state_dict`` returns: the fp32 masters (bitwise), also at stage 3 and with bf16
+  parameters (asked for explicitly), where they differ from the parameters;
+  ``from_pretrained`` loads float32, as the stock run's. The GLUE shape (another head)
+  predicts on one process from the saved model what the gathered predictions said.
 - ZeroTrainer with ``torch_compile`` (stage 3) trains the model compiled after sharding,
   with losses within twice DDP's own compile deviation. (``--bf16``'s saved model:
   tests/test_hf_trainer.py.)
@@ -34,7 +37,10 @@ from zerolite.testing import run_ranks
 
 pytest.importorskip("transformers")
 
+# "bf16" is Accelerate's recipe, zerolite's default (fp32 parameters under autocast);
+# "bf16_params" asks for zerolite's 16-bit recipe (bf16 parameters, fp32 master shards).
 CONFIGS = [(stage, precision) for stage in (1, 2, 3) for precision in ("no", "bf16")]
+RECIPES = [(3, "bf16_params")]  # run once (no resumes): what it saves and computes in
 EPOCH_RESUMES = [(1, "no"), (3, "bf16")]
 
 
@@ -62,7 +68,12 @@ def _all_loops(out: str) -> dict[str, Any]:
                 resume=f"{folder}/epoch_0")  # a folder of its own: final/ is compared
         run(f"{stage}_{precision}_from_step", str(folder), stage, precision,
             resume=f"{folder}/step_{cases.SAVE_EVERY}")
+    for stage, precision in RECIPES:
+        run(f"{stage}_{precision}", str(Path(out) / f"s{stage}_{precision}"), stage, precision)
     run("glue", str(Path(out) / "glue"), 3, "no", head="glue")
+    for stage in (None, 1):
+        AcceleratorState._reset_state(reset_partial_state=False)
+        results[f"parity_{stage}"] = cases.stock_parity_loop(stage)
     return results
 
 
@@ -120,12 +131,35 @@ def test_resume_from_epoch_folder_ends_bitwise_where_the_whole_run_ends(loops, s
 
 def test_each_prepare_logs_one_line_on_the_main_process(loops):
     _, results = loops
-    log, runs = results["log"], [k for k in results if not k.startswith("log")]
+    log = results["log"]
+    runs = [k for k in results if not k.startswith(("log", "parity_None"))]  # stock: no line
     assert len(log) == len(runs) and results["log_rank1"] == [], log
     first = log[0]  # stage 1, fp32; then stage 1 in bf16
     assert first.startswith("zerolite: stage 1 over 2 ranks, fp32, partition flat"), first
     assert "rank 0 holds" in first and "MiB" in first
-    assert any("bfloat16 parameters with fp32 masters" in line for line in log)
+    # Which mixed-precision recipe is active:
+    assert any(line.startswith("zerolite: stage 1 over 2 ranks, fp32 parameters under "
+                               "Accelerate's bf16 autocast (Accelerate's own recipe), ")
+               for line in log), log
+    assert any("bfloat16 parameters with fp32 masters under Accelerate's bf16 autocast "
+               "(zerolite's 16-bit recipe" in line for line in log), log
+
+
+def test_bf16_at_stage_1_is_bitwise_the_stock_ddp_loop(loops):
+    """Accelerate's bf16 recipe by default: the one-line change gives the stock numbers."""
+    _, results = loops
+    stock, zero = results["parity_None"], results["parity_1"]
+    assert zero["losses"] == stock["losses"], (zero["losses"], stock["losses"])
+    assert len(stock["losses"]) == 8
+    for name, tensor in stock["state"].items():
+        assert torch.equal(zero["state"][name], tensor), name
+
+
+@pytest.mark.parametrize(("stage", "precision"), CONFIGS + RECIPES)
+def test_accelerate_autocast_reaches_the_sharded_model(loops, stage, precision):
+    _, results = loops
+    expected = "torch.float32" if precision == "no" else "torch.bfloat16"
+    assert results[f"{stage}_{precision}"]["compute_dtypes"] == [expected]
 
 
 @pytest.mark.parametrize(("stage", "precision"), CONFIGS)
@@ -134,21 +168,23 @@ def test_gather_for_metrics_returns_the_eval_set(loops, stage, precision):
     assert results[f"{stage}_{precision}"]["eval_count"] == 7
 
 
-@pytest.mark.parametrize(("stage", "precision"), CONFIGS)
+@pytest.mark.parametrize(("stage", "precision"), CONFIGS + RECIPES)
 def test_save_pretrained_on_every_rank_writes_the_fp32_masters(loops, stage, precision):
     out, results = loops
-    result = results[f"{stage}_{precision}_from_step"]  # the last run to write final/
+    key = f"{stage}_{precision}"
+    result = results.get(f"{key}_from_step", results[key])  # the last run to write final/
     saved = cases.loaded(str(out / f"s{stage}_{precision}" / "final"), "clm")
     assert saved["dtype"] == "torch.float32"  # as the stock run's, in fp32 and bf16
-    expected = "torch.bfloat16" if precision == "bf16" else "torch.float32"
+    expected = "torch.bfloat16" if precision == "bf16_params" else "torch.float32"
     assert result["param_dtypes"] == [expected]
     differs = False
     for name, master in result["masters"].items():
         assert torch.equal(result["get_state_dict"][name], master), name
         assert torch.equal(saved["state"][name], master), name
         differs |= not torch.equal(result["params"][name].float(), master)
-    # In bf16 the masters are not the bf16 parameters: what was saved is not a rounding.
-    assert differs == (precision == "bf16")
+    # With bf16 parameters the masters are not the parameters: what was saved is not a
+    # rounding. (Accelerate's recipe keeps fp32 parameters, their own masters.)
+    assert differs == (precision == "bf16_params")
 
 
 def test_glue_shape_predicts_from_the_saved_model_what_it_gathered(loops):

@@ -26,8 +26,12 @@ are wrong for sharded state (docs/design.md, "Accelerate"; measured on accelerat
   memory saving (as Accelerate does for DeepSpeed ZeRO >= 2).
 - a model built under ``torch.device("meta")`` is not moved by ``prepare()``:
   `zerolite.shard` materialises it on the accelerator's device (`zerolite.params.meta_init`).
-- ``mixed_precision: bf16`` means bf16 parameters with fp32 master shards
-  (``param_dtype=torch.bfloat16``); ``fp16`` uses zerolite's loss scaler (CUDA only).
+- ``mixed_precision: bf16`` follows Accelerate's own recipe: fp32 parameters (their own
+  fp32 masters) under Accelerate's bf16 autocast, which ``prepare()`` puts on the model's
+  forward at every stage, so the one-line change gives the stock run's numbers. zerolite's
+  16-bit recipe (bf16 parameters, fp32 master shards, still under the autocast) is an
+  explicit choice: ``ZeroConfig(param_dtype=torch.bfloat16)`` or ``ZEROLITE_PARAM_DTYPE=bf16``.
+  ``fp16`` means fp16 parameters with zerolite's loss scaler (CUDA only).
 """
 
 from __future__ import annotations
@@ -51,22 +55,21 @@ from zerolite.comm import runtime
 from zerolite.config import ZeroConfig
 from zerolite.optim.sharded_optimizer import ShardedOptimizer
 from zerolite.saving import StateFolderMethods, check_save_dtype, install_save_pretrained
-from zerolite.zero import shard
+from zerolite.zero import announcing_autocast, shard
 
 __all__ = ["ZeroAccelerator", "setup", "zero_config_for"]
 
 
 def zero_config_for(accelerator: Accelerator, zero_config: ZeroConfig | None) -> ZeroConfig:
     """The `ZeroConfig` to use: ``zero_config`` (default ``ZeroConfig()``, which reads
-    ``ZEROLITE_*``), with ``param_dtype`` taken from Accelerate's ``mixed_precision`` unless
-    the config sets it (an argument or ``ZEROLITE_PARAM_DTYPE``)."""
+    ``ZEROLITE_*``). Unless the config sets ``param_dtype`` (an argument or
+    ``ZEROLITE_PARAM_DTYPE``), ``mixed_precision='bf16'`` keeps fp32 parameters (Accelerate's
+    autocast computes in bf16, as in the stock run) and ``'fp16'`` means fp16 parameters with
+    zerolite's loss scaler (CUDA only)."""
     config = ZeroConfig() if zero_config is None else zero_config
     if config.is_set("param_dtype"):
         return config
-    precision = str(accelerator.mixed_precision)
-    if precision == "bf16":
-        return dataclasses.replace(config, param_dtype=torch.bfloat16)
-    if precision == "fp16":
+    if str(accelerator.mixed_precision) == "fp16":
         if not runtime.is_accelerator(accelerator.device):
             raise ValueError(
                 "mixed_precision='fp16' needs a CUDA device (zerolite scales the fp16 loss there); "
@@ -92,6 +95,19 @@ def check_launch(accelerator: Accelerator, cpu_hint: str = _CPU_HINT) -> None:
             f"the launcher started {launched} processes (WORLD_SIZE={launched}) but Accelerate "
             f"sees {accelerator.num_processes}: every process would train alone. {cpu_hint}"
         )
+
+
+def autocast_note(accelerator: Accelerator, config: ZeroConfig, framework: str) -> str | None:
+    """What `shard()`'s log line adds about the autocast ``framework`` (``"Accelerate"``,
+    ``"Trainer"``) puts around the model: which mixed-precision recipe is active."""
+    precision = str(accelerator.mixed_precision)
+    if precision not in ("bf16", "fp16") or not getattr(accelerator, "native_amp", False):
+        return None
+    recipe = (
+        f"{framework}'s own recipe" if config.param_dtype == torch.float32
+        else "zerolite's 16-bit recipe, ZeroConfig.param_dtype"
+    )
+    return f"under {framework}'s {precision} autocast ({recipe})"
 
 
 def _on_meta(model: nn.Module) -> bool:
@@ -175,7 +191,9 @@ class ZeroAccelerator(_ZeroMethods, Accelerator):
 
     Args:
         zero_config: the `ZeroConfig`; by default ``ZeroConfig()`` (``ZEROLITE_STAGE`` and
-            the other ``ZEROLITE_*`` variables), with ``param_dtype`` from ``mixed_precision``.
+            the other ``ZEROLITE_*`` variables). ``mixed_precision='bf16'`` keeps fp32
+            parameters under Accelerate's autocast, as the stock run does, unless the config
+            sets ``param_dtype`` (`zero_config_for`).
         save_dtype: dtype of the full weights that ``get_state_dict`` returns and the
             model's ``save_pretrained`` writes: ``torch.float32`` (default) saves the fp32
             masters, as the stock run with fp32 parameters does; ``torch.bfloat16`` or
@@ -187,6 +205,8 @@ class ZeroAccelerator(_ZeroMethods, Accelerator):
             without ``ACCELERATE_USE_CPU=1``).
         ValueError: ``save_dtype`` is not float32, bfloat16 or float16.
     """
+
+    zero_framework = "Accelerate"  # whose autocast `shard()`'s log line names
 
     def __init__(
         self,
@@ -258,7 +278,9 @@ class ZeroAccelerator(_ZeroMethods, Accelerator):
         if not any(model is m for m in prepared):
             self.prepare_model(model)
             model = self._zero_models[id(model)][0]
-        sharded = shard(model, optimizer, _materialise_on(self, model, self.zero_config))
+        note = autocast_note(self, self.zero_config, self.zero_framework)
+        with announcing_autocast(note):
+            sharded = shard(model, optimizer, _materialise_on(self, model, self.zero_config))
         install_save_pretrained(model, self.save_dtype)
         self._zero_sharded.append((model, sharded))
         wrapped = _SkipAwareOptimizer(sharded, device_placement=False, scaler=None)
@@ -305,7 +327,8 @@ def setup(
     patched.zero_config = zero_config_for(accelerator, zero_config)
     patched.scaler = None
     patched.save_dtype = save_dtype
-    sharded = shard(model, optimizer, _materialise_on(accelerator, model, patched.zero_config))
+    with announcing_autocast(autocast_note(accelerator, patched.zero_config, "Accelerate")):
+        sharded = shard(model, optimizer, _materialise_on(accelerator, model, patched.zero_config))
     install_save_pretrained(model, save_dtype)
     patched._zero_sharded = [*getattr(patched, "_zero_sharded", []), (model, sharded)]
     patched.pending_save = getattr(patched, "pending_save", None)

@@ -29,8 +29,12 @@ Accelerate integration (`zerolite.accelerate.ZeroAccelerator`) plus Trainer's fi
   any world size or stage; the data position comes from ``trainer_state.json`` as usual.
   ``ZeroTrainer(..., async_save=True)`` writes ``zerolite/`` in the background
   (``zerolite.checkpoint.save(..., blocking=False)``).
-- ``args.bf16``: bf16 parameters with fp32 master shards; ``args.fp16``: fp16 parameters
-  with zerolite's loss scaler (CUDA only).
+- ``args.bf16`` follows the stock Trainer's recipe: fp32 parameters (their own fp32
+  masters) under the Accelerator's bf16 autocast, at every stage, so the one-line change
+  gives the stock run's numbers. zerolite's 16-bit recipe (bf16 parameters, fp32 master
+  shards) is an explicit choice: ``ZeroConfig(param_dtype=torch.bfloat16)`` or
+  ``ZEROLITE_PARAM_DTYPE=bf16``. ``args.fp16``: fp16 parameters with zerolite's loss scaler
+  (CUDA only).
 
 Trainer methods overridden: public ``create_accelerator_and_postprocess``, ``save_model``;
 private (no public hook exists; checked against transformers 5.24)
@@ -95,9 +99,11 @@ def zero_config_for_args(args: Any, zero_config: ZeroConfig | None) -> ZeroConfi
     """The `ZeroConfig` a Trainer with ``args`` (``TrainingArguments``) trains with.
 
     ``zero_config=None`` means ``ZeroConfig()`` (stage 2, ``ZEROLITE_*`` variables).
-    ``param_dtype`` follows ``args.bf16`` / ``args.fp16`` unless the config sets it (an
-    argument or ``ZEROLITE_PARAM_DTYPE``): an explicit float32 with ``args.bf16`` is bf16
-    autocast over fp32 parameters.
+    Unless the config sets ``param_dtype`` (an argument or ``ZEROLITE_PARAM_DTYPE``),
+    ``args.bf16`` keeps fp32 parameters under the Accelerator's bf16 autocast (the stock
+    Trainer's recipe) and ``args.fp16`` means fp16 parameters with zerolite's loss scaler.
+    An explicit bfloat16 with ``args.bf16`` is zerolite's 16-bit recipe (bf16 parameters,
+    fp32 master shards, under the same autocast).
 
     Raises:
         ValueError: the config contradicts ``args`` (float16 parameters with ``args.bf16``,
@@ -108,7 +114,7 @@ def zero_config_for_args(args: Any, zero_config: ZeroConfig | None) -> ZeroConfi
             f"args.fp16=True needs a CUDA device (zerolite's loss scaler runs there), but the "
             f"device is {args.device}; use args.bf16=True or ZeroConfig(param_dtype=torch.bfloat16)"
         )
-    wanted = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else None
+    wanted = torch.float16 if args.fp16 else None  # args.bf16: fp32 under autocast
     if zero_config is not None and not isinstance(zero_config, ZeroConfig):
         raise TypeError(
             f"zero_config must be a zerolite.ZeroConfig or None, got {type(zero_config).__name__}"
@@ -125,7 +131,8 @@ def zero_config_for_args(args: Any, zero_config: ZeroConfig | None) -> ZeroConfi
         flag = "args.bf16=True" if args.bf16 else "args.fp16=True"
         raise ValueError(
             f"zero_config.param_dtype={dtype} contradicts {flag}: drop one of them, or set "
-            f"param_dtype={wanted} (or leave zero_config=None to follow args)"
+            f"param_dtype={wanted or 'torch.float32 or torch.bfloat16'} (or leave "
+            "zero_config=None to follow args)"
         )
     return config
 
@@ -189,6 +196,7 @@ def _adopt(
         accelerator.__class__ = zero_cls
     adopted: Any = accelerator
     adopted.zero_config = config
+    adopted.zero_framework = "Trainer"
     adopted.scaler = None  # fp16 loss scaling is zerolite's (per shard, agreed across ranks)
     adopted.save_dtype = save_dtype
     adopted._zero_sharded = []
@@ -207,8 +215,9 @@ class ZeroTrainerMixin:
     ``save_model`` (stage 3 gathers parameters in all of them).
 
     Args:
-        zero_config: the `ZeroConfig`; ``None`` means stage 2 (or ``ZEROLITE_STAGE``) with
-            ``param_dtype`` from ``args.bf16`` / ``args.fp16`` (`zero_config_for_args`).
+        zero_config: the `ZeroConfig`; ``None`` means stage 2 (or ``ZEROLITE_STAGE``);
+            ``args.bf16`` keeps fp32 parameters under autocast, as the stock Trainer does,
+            unless the config sets ``param_dtype`` (`zero_config_for_args`).
         async_save: write ``checkpoint-N/zerolite/`` in the background
             (``zerolite.checkpoint.save(..., blocking=False)``): training resumes once each
             rank's shard is copied into its staging area; the next checkpoint (or the end of

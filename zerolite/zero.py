@@ -26,6 +26,8 @@ on the stage number.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import hashlib
 import logging
 import weakref
@@ -67,6 +69,24 @@ from zerolite.state.shard_state import ShardState, register
 __all__ = ["shard"]
 
 logger = logging.getLogger(__name__)
+
+# How the model computes around zerolite's parameters, for `shard()`'s log line: set by the
+# Accelerate and Trainer integrations, whose autocast `shard()` cannot see (it wraps the
+# model's forward, outside zerolite).
+_AUTOCAST_NOTE: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "zerolite_autocast_note", default=None
+)
+
+
+@contextlib.contextmanager
+def announcing_autocast(note: str | None) -> Iterator[None]:
+    """Inside, `shard()`'s log line says the model computes ``note`` (e.g. "under
+    Accelerate's bf16 autocast"); ``None`` says nothing more."""
+    token = _AUTOCAST_NOTE.set(note)
+    try:
+        yield
+    finally:
+        _AUTOCAST_NOTE.reset(token)
 
 
 def shard(
@@ -242,6 +262,9 @@ def _announcement(sharded: ShardedOptimizer, partition: str) -> str:
     config, group, flats = sharded.config, sharded.group, sharded.flats
     dtype = str(config.param_dtype).removeprefix("torch.")
     precision = "fp32" if dtype == "float32" else f"{dtype} parameters with fp32 masters"
+    note = _AUTOCAST_NOTE.get()
+    if note is not None:  # fp32 parameters are their own masters
+        precision = f"{'fp32 parameters' if dtype == 'float32' else precision} {note}"
     held = footprint(sharded)
     mib = 2.0**20
     return (
