@@ -80,10 +80,11 @@ FAULT_ENV = "ZEROLITE_CHECKPOINT_FAULT"
 HOLD_ENV = "ZEROLITE_CHECKPOINT_HOLD"
 LOCK_FILE = ".zerolite-save.lock"
 _OLD = re.compile(r"\.(.+)\.old-[0-9a-f]{32}")
+_POINTER_TMP = f".{LATEST}.tmp"  # write_atomic's sibling of the pointer
 _TEMPORARY = re.compile(r"\..+\.(tmp|old|gone)-[0-9a-f]{32}")
-# An asynchronous save's completion markers (`zerolite.checkpoint.markers`), and their
-# write_atomic temporaries.
-MARKER = re.compile(r"\.+.+\.[0-9a-f]{32}\.r\d+\.(done|error|verdict)(\.tmp)?")
+# An asynchronous save's completion markers (`zerolite.checkpoint.markers`; done/error
+# and the write_atomic temporaries are the names of earlier releases).
+MARKER = re.compile(r"\.+.+\.[0-9a-f]{32}\.r\d+\.(report|verdict|done|error)(\.tmp)?")
 
 
 def fault_point(phase: str, rank: int) -> None:
@@ -242,14 +243,17 @@ def recover(root: Path) -> None:
 
 
 def remove_leftovers(root: Path) -> None:
-    """Remove hidden temporaries of earlier saves in ``root``, except what ``latest`` names,
-    and completion markers that crashed asynchronous saves left (each is read before the
-    next save of its job starts, so any found here is stale)."""
+    """Remove what earlier saves in ``root`` left: hidden temporary directories (a failed
+    save's partial one), except what ``latest`` names, the pointer's write_atomic temporary,
+    and the markers of failed or crashed asynchronous saves (each is read before the next
+    save of its job starts, so any found here is stale). Rank 0, under the save lock: at
+    the start of a save (a failed save's files may hold the space the next one needs) and
+    after its commit."""
     keep = _named(root)
     for entry in root.iterdir():
         if _TEMPORARY.fullmatch(entry.name) and entry.name != keep and entry.is_dir():
             shutil.rmtree(entry, ignore_errors=True)
-        elif MARKER.fullmatch(entry.name) and entry.is_file():
+        elif (MARKER.fullmatch(entry.name) or entry.name == _POINTER_TMP) and entry.is_file():
             entry.unlink(missing_ok=True)
 
 

@@ -52,6 +52,7 @@ from zerolite.checkpoint.commit import (
     commit_checkpoint,
     read_pointer,
     recover,
+    remove_leftovers,
 )
 from zerolite.checkpoint.format import (
     FORMAT,
@@ -249,6 +250,8 @@ def _start_async(
     shards = optimizer.group
     writes = shards.replicas is None or shards.replicas.rank == 0
     file, area = None, None
+    # Markers by global rank: every rank reports (a non-writer, no file) and hears rank 0.
+    markers = Markers(path, token, group.size, group.timeout.total_seconds())
     with agreed("zerolite.checkpoint.save() (staging)", group):
         # First, before anything that can fail alone: a collective over the replica group.
         others = gather_replica_residuals(optimizer)
@@ -257,8 +260,10 @@ def _start_async(
             file.tensors.update(others)  # hybrid: the other replicas' residuals of this shard
             area = staging_area(optimizer)
             stage(area, file)
-    # Markers by global rank: every rank reports (a non-writer, no file) and hears rank 0.
-    markers = Markers(path, token, group.size, group.timeout.total_seconds())
+        # Now, while the ranks agree: a full disk later must not silence the markers
+        # ([Note: reserved markers]); the record's size and hash take at most these digits.
+        record = {} if file is None else file.record(10**20, "0" * 64)
+        markers.reserve(group.rank, len(json.dumps(record)))
     work = functools.partial(
         # The index as JSON data now: nothing the caller changes later can reach it.
         write_and_commit, path=path, tmp=tmp, area=area, rank_file=file, rank=group.rank,
@@ -285,6 +290,8 @@ def _lock_root(path: Path, overwrite: bool, group: Group) -> tuple[SaveLock | No
             try:
                 lock = SaveLock(path.parent)
                 recover(path.parent)
+                # A failed save's partial directory may hold the space this one needs.
+                remove_leftovers(path.parent)
                 _check_target(path, overwrite)  # recovery may have put ``path`` back
             except Exception as exc:  # noqa: BLE001 - shared below: no rank waits for the others
                 error = exc
