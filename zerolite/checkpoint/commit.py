@@ -18,8 +18,10 @@ is replaced (``os.replace``). Replacing an existing ``NAME`` (``overwrite=True``
 copy whose ``NAME`` is missing (crash between 3 and 4) is put back as ``NAME`` (by
 hard-link copy and rename when ``latest`` names the copy, so the pointer never dangles);
 ``latest`` naming an old copy whose ``NAME`` exists is pointed back at ``NAME`` (complete:
-it only ever appears by renaming a complete directory). Leftover temporaries are removed
-after a save commits, except what ``latest`` names.
+it only ever appears by renaming a complete directory). Leftover temporaries (and an
+asynchronous save's markers) are removed next, at the start of each save -- a failed save's
+partial directory may hold the space the new one needs -- and again after it commits,
+except what ``latest`` names.
 
 Two jobs saving into one root would remove each other's temporaries, so a save holds an
 advisory lock (`SaveLock`) on ``ROOT/.zerolite-save.lock`` from before anything is written
@@ -213,7 +215,7 @@ def commit_checkpoint(
     if path.exists() and not overwrite:
         raise ValueError(f"checkpoint path {path} appeared while saving; not replaced")
     commit(tmp, path, token)
-    remove_leftovers(path.parent)
+    remove_leftovers(path.parent, token)
 
 
 def recover(root: Path) -> None:
@@ -242,18 +244,22 @@ def recover(root: Path) -> None:
             _point(root, target.name)
 
 
-def remove_leftovers(root: Path) -> None:
+def remove_leftovers(root: Path, token: str | None = None) -> None:
     """Remove what earlier saves in ``root`` left: hidden temporary directories (a failed
     save's partial one), except what ``latest`` names, the pointer's write_atomic temporary,
     and the markers of failed or crashed asynchronous saves (each is read before the next
-    save of its job starts, so any found here is stale). Rank 0, under the save lock: at
-    the start of a save (a failed save's files may hold the space the next one needs) and
-    after its commit."""
+    save of its job starts, so any found here is stale), except the markers of the save
+    ``token`` (committed, still to announce it through them). Rank 0, under the save lock:
+    at the start of a save (a failed save's files may hold the space the next one needs)
+    and after its commit."""
     keep = _named(root)
     for entry in root.iterdir():
-        if _TEMPORARY.fullmatch(entry.name) and entry.name != keep and entry.is_dir():
+        name = entry.name
+        if _TEMPORARY.fullmatch(name) and name != keep and entry.is_dir():
             shutil.rmtree(entry, ignore_errors=True)
-        elif (MARKER.fullmatch(entry.name) or entry.name == _POINTER_TMP) and entry.is_file():
+        elif MARKER.fullmatch(name) and f".{token}." not in name and entry.is_file():
+            entry.unlink(missing_ok=True)
+        elif name == _POINTER_TMP and entry.is_file():
             entry.unlink(missing_ok=True)
 
 

@@ -74,13 +74,15 @@ class Markers:
     def _file(self, rank: int, kind: str) -> Path:
         return self.root / f"{self.stem}.r{rank}.{kind}"
 
-    def reserve(self, rank: int, record_bytes: int) -> None:
-        """Rank ``rank``, at the call: create its report (room for a record of up to
-        ``record_bytes`` bytes) and, rank > 0, its verdict, zero-filled and fsynced.
+    def reserve(self, rank: int, record: dict[str, Any]) -> None:
+        """Rank ``rank``, at the call: create its report, with room for ``record`` (its
+        future record, with the largest size and hash: ``done``'s must fit) and, rank > 0,
+        its verdict, zero-filled and fsynced ([Note: reserved markers]).
 
         Raises:
             CheckpointError: no room (or no permission) in the root for them.
         """
+        record_bytes = len(json.dumps(record).encode())
         files = [(self._file(rank, "report"), max(_MIN_BYTES, _HEADER.size + record_bytes))]
         if rank > 0:
             files.append((self._file(rank, "verdict"), _MIN_BYTES))

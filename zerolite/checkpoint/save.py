@@ -3,12 +3,12 @@
 The sequence, and what a crash at each point leaves behind:
 
 1. Every rank waits for its asynchronous save in flight, if any, and validates (the
-   directory name, ``extra`` is JSON, the target does not
-   exist unless ``overwrite``) and the ranks agree. Rank 0 then takes the root's save
-   lock, finishes what an earlier crashed overwrite left
-   (`zerolite.checkpoint.commit.recover`) and checks the target again; its verdict is
-   shared -- nothing is written if any rank objects or another job is saving into the
-   same root.
+   directory name, ``extra`` is JSON, the target does not exist unless ``overwrite``) and
+   the ranks agree. Rank 0 then takes the root's save lock, finishes what an earlier
+   crashed overwrite left (`zerolite.checkpoint.commit.recover`), removes what earlier
+   failed saves left (`zerolite.checkpoint.commit.remove_leftovers`: their files may hold
+   the space this one needs) and checks the target again; its verdict is shared --
+   nothing is written if any rank objects or another job is saving into the same root.
 2. Rank 0 creates a hidden sibling ``.{name}.tmp-{token}``; every rank writes and
    fsyncs its own ``rank-r-of-N.safetensors`` there; rank 0 collects sizes and hashes
    and writes ``index.json`` and then its checksum ``index.json.sha256``. A crash here
@@ -260,10 +260,8 @@ def _start_async(
             file.tensors.update(others)  # hybrid: the other replicas' residuals of this shard
             area = staging_area(optimizer)
             stage(area, file)
-        # Now, while the ranks agree: a full disk later must not silence the markers
-        # ([Note: reserved markers]); the record's size and hash take at most these digits.
-        record = {} if file is None else file.record(10**20, "0" * 64)
-        markers.reserve(group.rank, len(json.dumps(record)))
+        # While the ranks agree: a full disk later must not silence the markers.
+        markers.reserve(group.rank, {} if file is None else file.record(10**20, "0" * 64))
     work = functools.partial(
         # The index as JSON data now: nothing the caller changes later can reach it.
         write_and_commit, path=path, tmp=tmp, area=area, rank_file=file, rank=group.rank,
@@ -290,8 +288,7 @@ def _lock_root(path: Path, overwrite: bool, group: Group) -> tuple[SaveLock | No
             try:
                 lock = SaveLock(path.parent)
                 recover(path.parent)
-                # A failed save's partial directory may hold the space this one needs.
-                remove_leftovers(path.parent)
+                remove_leftovers(path.parent)  # after recover: it may restore an old copy
                 _check_target(path, overwrite)  # recovery may have put ``path`` back
             except Exception as exc:  # noqa: BLE001 - shared below: no rank waits for the others
                 error = exc
