@@ -19,9 +19,9 @@ copy whose ``NAME`` is missing (crash between 3 and 4) is put back as ``NAME`` (
 hard-link copy and rename when ``latest`` names the copy, so the pointer never dangles);
 ``latest`` naming an old copy whose ``NAME`` exists is pointed back at ``NAME`` (complete:
 it only ever appears by renaming a complete directory). Leftover temporaries (and an
-asynchronous save's markers) are removed next, at the start of each save -- a failed save's
-partial directory may hold the space the new one needs -- and again after it commits,
-except what ``latest`` names.
+asynchronous save's markers) are removed at the start of the next save -- a failed save's
+partial directory may hold the space the new one needs -- and after each commit, except
+what ``latest`` names.
 
 Two jobs saving into one root would remove each other's temporaries, so a save holds an
 advisory lock (`SaveLock`) on ``ROOT/.zerolite-save.lock`` from before anything is written
@@ -31,6 +31,7 @@ directories, and every other rank writes only into the directory rank 0 names.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import json
@@ -257,10 +258,11 @@ def remove_leftovers(root: Path, token: str | None = None) -> None:
         name = entry.name
         if _TEMPORARY.fullmatch(name) and name != keep and entry.is_dir():
             shutil.rmtree(entry, ignore_errors=True)
-        elif MARKER.fullmatch(name) and f".{token}." not in name and entry.is_file():
-            entry.unlink(missing_ok=True)
-        elif name == _POINTER_TMP and entry.is_file():
-            entry.unlink(missing_ok=True)
+        elif (
+            MARKER.fullmatch(name) and f".{token}." not in name or name == _POINTER_TMP
+        ) and entry.is_file():
+            with contextlib.suppress(OSError):  # a stale file must not block the save
+                entry.unlink()
 
 
 class SaveLock:
