@@ -38,7 +38,6 @@ from zerolite.checkpoint.commit import HOLD_ENV
 from zerolite.checkpoint.format import shard_file
 from zerolite.testing import run_ranks
 
-ROOT = Path(__file__).resolve().parent.parent
 TIMEOUT_S = 20.0  # ZeroConfig.timeout_s: a rank told nothing would wait this long
 # Bytes of each case's tmpfs, in 4 KiB pages: a checkpoint takes 83 (files of 42 and 38, the
 # index), so two fit with room to spare (21 pages), but not also a failed save's file.
