@@ -1,8 +1,9 @@
 """The background half of ``save(..., blocking=False)``: write, hash, fsync, commit.
 
 `zerolite.checkpoint.save` does everything that needs the training group on the calling
-thread -- validation, rank 0's lock, the hidden directory, and `stage` (each rank's tensors
-copied into its `StagingArea`) -- and then returns a `PendingSave` whose thread runs
+thread -- validation, rank 0's lock, the hidden directory, `stage` (each rank's tensors
+copied into its `StagingArea`) and `Markers.reserve` (each rank's markers, created so that
+a full disk cannot stop them later) -- and then returns a `PendingSave` whose thread runs
 `write_and_commit`:
 
 1. every writing rank writes its staged bytes to ``.NAME.tmp-T/rank-R-of-N.safetensors``,

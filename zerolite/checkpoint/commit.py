@@ -18,8 +18,10 @@ is replaced (``os.replace``). Replacing an existing ``NAME`` (``overwrite=True``
 copy whose ``NAME`` is missing (crash between 3 and 4) is put back as ``NAME`` (by
 hard-link copy and rename when ``latest`` names the copy, so the pointer never dangles);
 ``latest`` naming an old copy whose ``NAME`` exists is pointed back at ``NAME`` (complete:
-it only ever appears by renaming a complete directory). Leftover temporaries are removed
-after a save commits, except what ``latest`` names.
+it only ever appears by renaming a complete directory). Leftover temporaries (and an
+asynchronous save's markers) are removed at the start of the next save -- a failed save's
+partial directory may hold the space the new one needs -- and after each commit, except
+what ``latest`` names.
 
 Two jobs saving into one root would remove each other's temporaries, so a save holds an
 advisory lock (`SaveLock`) on ``ROOT/.zerolite-save.lock`` from before anything is written
@@ -29,6 +31,7 @@ directories, and every other rank writes only into the directory rank 0 names.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import json
@@ -80,10 +83,11 @@ FAULT_ENV = "ZEROLITE_CHECKPOINT_FAULT"
 HOLD_ENV = "ZEROLITE_CHECKPOINT_HOLD"
 LOCK_FILE = ".zerolite-save.lock"
 _OLD = re.compile(r"\.(.+)\.old-[0-9a-f]{32}")
+_POINTER_TMP = f".{LATEST}.tmp"  # write_atomic's sibling of the pointer
 _TEMPORARY = re.compile(r"\..+\.(tmp|old|gone)-[0-9a-f]{32}")
-# An asynchronous save's completion markers (`zerolite.checkpoint.markers`), and their
-# write_atomic temporaries.
-MARKER = re.compile(r"\.+.+\.[0-9a-f]{32}\.r\d+\.(done|error|verdict)(\.tmp)?")
+# An asynchronous save's completion markers (`zerolite.checkpoint.markers`; done/error
+# and the write_atomic temporaries are the names of earlier releases).
+MARKER = re.compile(r"\.+.+\.[0-9a-f]{32}\.r\d+\.(report|verdict|done|error)(\.tmp)?")
 
 
 def fault_point(phase: str, rank: int) -> None:
@@ -212,7 +216,7 @@ def commit_checkpoint(
     if path.exists() and not overwrite:
         raise ValueError(f"checkpoint path {path} appeared while saving; not replaced")
     commit(tmp, path, token)
-    remove_leftovers(path.parent)
+    remove_leftovers(path.parent, token)
 
 
 def recover(root: Path) -> None:
@@ -241,16 +245,24 @@ def recover(root: Path) -> None:
             _point(root, target.name)
 
 
-def remove_leftovers(root: Path) -> None:
-    """Remove hidden temporaries of earlier saves in ``root``, except what ``latest`` names,
-    and completion markers that crashed asynchronous saves left (each is read before the
-    next save of its job starts, so any found here is stale)."""
+def remove_leftovers(root: Path, token: str | None = None) -> None:
+    """Remove what earlier saves in ``root`` left: hidden temporary directories (a failed
+    save's partial one), except what ``latest`` names, the pointer's write_atomic temporary,
+    and the markers of failed or crashed asynchronous saves (each is read before the next
+    save of its job starts, so any found here is stale), except the markers of the save
+    ``token`` (committed, still to announce it through them). Rank 0, under the save lock:
+    at the start of a save (a failed save's files may hold the space the next one needs)
+    and after its commit."""
     keep = _named(root)
     for entry in root.iterdir():
-        if _TEMPORARY.fullmatch(entry.name) and entry.name != keep and entry.is_dir():
+        name = entry.name
+        if _TEMPORARY.fullmatch(name) and name != keep and entry.is_dir():
             shutil.rmtree(entry, ignore_errors=True)
-        elif MARKER.fullmatch(entry.name) and entry.is_file():
-            entry.unlink(missing_ok=True)
+        elif (
+            MARKER.fullmatch(name) and f".{token}." not in name or name == _POINTER_TMP
+        ) and entry.is_file():
+            with contextlib.suppress(OSError):  # a stale file must not block the save
+                entry.unlink()
 
 
 class SaveLock:

@@ -3,12 +3,12 @@
 The sequence, and what a crash at each point leaves behind:
 
 1. Every rank waits for its asynchronous save in flight, if any, and validates (the
-   directory name, ``extra`` is JSON, the target does not
-   exist unless ``overwrite``) and the ranks agree. Rank 0 then takes the root's save
-   lock, finishes what an earlier crashed overwrite left
-   (`zerolite.checkpoint.commit.recover`) and checks the target again; its verdict is
-   shared -- nothing is written if any rank objects or another job is saving into the
-   same root.
+   directory name, ``extra`` is JSON, the target does not exist unless ``overwrite``) and
+   the ranks agree. Rank 0 then takes the root's save lock, finishes what an earlier
+   crashed overwrite left (`zerolite.checkpoint.commit.recover`), removes what earlier
+   failed saves left (`zerolite.checkpoint.commit.remove_leftovers`: their files may hold
+   the space this one needs) and checks the target again; its verdict is shared --
+   nothing is written if any rank objects or another job is saving into the same root.
 2. Rank 0 creates a hidden sibling ``.{name}.tmp-{token}``; every rank writes and
    fsyncs its own ``rank-r-of-N.safetensors`` there; rank 0 collects sizes and hashes
    and writes ``index.json`` and then its checksum ``index.json.sha256``. A crash here
@@ -52,6 +52,7 @@ from zerolite.checkpoint.commit import (
     commit_checkpoint,
     read_pointer,
     recover,
+    remove_leftovers,
 )
 from zerolite.checkpoint.format import (
     FORMAT,
@@ -249,6 +250,8 @@ def _start_async(
     shards = optimizer.group
     writes = shards.replicas is None or shards.replicas.rank == 0
     file, area = None, None
+    # Markers by global rank: every rank reports (a non-writer, no file) and hears rank 0.
+    markers = Markers(path, token, group.size, group.timeout.total_seconds())
     with agreed("zerolite.checkpoint.save() (staging)", group):
         # First, before anything that can fail alone: a collective over the replica group.
         others = gather_replica_residuals(optimizer)
@@ -257,8 +260,8 @@ def _start_async(
             file.tensors.update(others)  # hybrid: the other replicas' residuals of this shard
             area = staging_area(optimizer)
             stage(area, file)
-    # Markers by global rank: every rank reports (a non-writer, no file) and hears rank 0.
-    markers = Markers(path, token, group.size, group.timeout.total_seconds())
+        # While the ranks agree: a full disk later must not silence the markers.
+        markers.reserve(group.rank, {} if file is None else file.record(10**20, "0" * 64))
     work = functools.partial(
         # The index as JSON data now: nothing the caller changes later can reach it.
         write_and_commit, path=path, tmp=tmp, area=area, rank_file=file, rank=group.rank,
@@ -285,6 +288,7 @@ def _lock_root(path: Path, overwrite: bool, group: Group) -> tuple[SaveLock | No
             try:
                 lock = SaveLock(path.parent)
                 recover(path.parent)
+                remove_leftovers(path.parent)  # after recover: it may restore an old copy
                 _check_target(path, overwrite)  # recovery may have put ``path`` back
             except Exception as exc:  # noqa: BLE001 - shared below: no rank waits for the others
                 error = exc
