@@ -202,7 +202,7 @@ def plan_layout(
 def _check_optimizers(
     optimizers: Sequence[torch.optim.Optimizer], partition: str, config: ZeroConfig
 ) -> None:
-    """Each optimizer steps its partition exactly, at a stage that can shard it."""
+    """Each optimizer steps its partition exactly (any stage 1-3 shards either partition)."""
     for inner in optimizers:
         if partition == "flat":
             check_optimizer(inner, config.elementwise_optimizers)
