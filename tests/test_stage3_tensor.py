@@ -11,8 +11,10 @@ stage-2 ``"tensor"`` run of the same launch, which has the same owners' arithmet
    ``reshard_after_forward=False``, and Muon + Adafactor + AdamW: bit for bit the stage-2
    run's parameters and losses;
 2. memory: between steps each rank holds its owned chunk of every unit (the full buffers
-   freed), live full units stay within ``(prefetch + 1)`` blocks plus the root, and
-   ``estimate`` equals ``footprint`` byte for byte, imbalance included;
+   freed), live full units stay within ``(prefetch + 1)`` blocks plus the root, a census
+   of every live tensor equals ``footprint``'s total (but for each freed buffer's NaN
+   placeholder, as with ``"flat"``), and ``estimate`` equals
+   ``footprint`` byte for byte, imbalance included;
 3. a meta-device build equals the normal one; an edit inside
    ``gathered_parameters(modifier_rank=0)`` reaches the master of a tensor that rank 1
    owns;
@@ -35,6 +37,7 @@ import torch.distributed as dist
 import zerolite
 from examples.gpt import GPTConfig
 from tests import parity
+from tests.memory_accounting import census_vs_footprint, live_tensors, storage_key
 from tests.test_stage3 import LiveUnitMeter
 from tests.test_tensor_checkpoint import gathered_state
 from tests.test_tensor_ownership import BUILDERS, shard
@@ -89,10 +92,12 @@ def _memory_case() -> dict:
     """Owned share between steps, live units within the prefetch bound, estimate ==
     footprint."""
     rank, world = dist.get_rank(), dist.get_world_size()
+    exclude = {storage_key(t) for t in live_tensors()}  # what lived before the model
     model = parity.make_model(cfg=FOUR_LAYERS)
     opt = shard("muon+adamw", model, stage=3, partition="tensor")
     meter = LiveUnitMeter(model)
     _train(model, opt, parity.batches(2, cfg=FOUR_LAYERS))
+    census = census_vs_footprint(opt, exclude)  # every live tensor of the rank, counted
     flats = opt.flats
     sizes = [4 * f.layout.numel for f in flats]  # owned chunks: no padding to gather
     fresh = parity.make_model(cfg=FOUR_LAYERS)
@@ -111,6 +116,10 @@ def _memory_case() -> dict:
         "measured": (held.model_states, held.ownership_imbalance),
         "estimated": (estimated.model_states, estimated.ownership_imbalance),
         "imbalance": held.ownership_imbalance,
+        # footprint leaves out the one-element NaN each freed buffer keeps for its placeholders
+        # ([Note: freed parameters] in zerolite.params.flat_buffer), as at stage 3 "flat".
+        "census": (census["census"] - census["footprint"]["total"],
+                   4 * len([*flats, *opt.frozen_flats]), census["missed"]),
     }
 
 
@@ -187,6 +196,7 @@ def test_stage3_tensor_ownership() -> None:
         assert mem["owned_share"] and mem["uneven"], mem
         assert mem["peak"] <= mem["bound"], mem
         assert mem["measured"] == mem["estimated"], mem
+        assert mem["census"][0] == mem["census"][1], mem["census"]
         assert mem["imbalance"] >= 1.0, mem
         assert r["meta_edit"]["meta_equal"] and r["meta_edit"]["edited"], r["meta_edit"]
         c = r["checkpoint"]
