@@ -4,18 +4,20 @@ Fixed configuration (as benchmarks/step_time.py):
     GPT: 6 layers, d_model 384, 6 heads, vocab 8192, seq 128 (tied head), fp32
     micro-batch 4 per rank, 2 ranks (gloo, CPU), 1 thread per rank
     Muon(lr 0.02, weight_decay 0.01) on the blocks' 2-D matrices, AdamW(lr 3e-4) on the rest
-    per launch: 3 warm-up + 10 timed steps; systems interleaved in rounds
+    per launch: 3 warm-up + 10 timed steps (--warmup, --timed); systems interleaved in rounds
 Systems:
     ddp   DistributedDataParallel, both optimizers stepping every parameter on every rank
     zl1   zerolite.shard(model, [muon, adamw]) stage 1 (partition "auto" -> "tensor")
     zl2   the same, stage 2
+    zl3   the same, stage 3: each block a unit ordered by owner, gathered from the owners
 
 Per system: median step time (forward, backward, step), its ratio to DDP's median in the
 same round, and per rank the model-state bytes (`zerolite.memory.footprint`) and the
 elements it owns; the ownership imbalance (max/min owned elements over ranks) measured
 and as `zerolite.memory.estimate` predicts it.
 
-    python benchmarks/muon_step_time.py [--rounds 3] [--world-size 2]
+    python benchmarks/muon_step_time.py [--rounds 3] [--world-size 2] [--warmup 3] [--timed 10]
+        [--systems ddp,zl1,zl2,zl3]
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ from zerolite.testing import run_ranks  # noqa: E402
 CFG = GPTConfig(vocab_size=8192, seq_len=128, n_layer=6, n_head=6, d_model=384)
 MICRO_BATCH = 4
 WARMUP, TIMED = 3, 10
-SYSTEMS = ("ddp", "zl1", "zl2")
+SYSTEMS = ("ddp", "zl1", "zl2", "zl3")
 
 
 def optimizers(model: torch.nn.Module) -> list[torch.optim.Optimizer]:
@@ -68,7 +70,7 @@ class _Both:
             o.zero_grad(set_to_none=True)
 
 
-def _one_system(system: str) -> dict:
+def _one_system(system: str, warmup: int, timed: int) -> dict:
     torch.manual_seed(0)
     model = GPT(CFG)
     if system == "ddp":
@@ -83,13 +85,13 @@ def _one_system(system: str) -> dict:
         opt = sharded
     rank = dist.get_rank()
     times = []
-    for step in range(WARMUP + TIMED):
+    for step in range(warmup + timed):
         x, y = random_batch(CFG, MICRO_BATCH, seed=100 * step + rank)
         start = time.perf_counter()
         runner(x, y).backward()
         opt.step()
         opt.zero_grad()
-        if step >= WARMUP:
+        if step >= warmup:
             times.append(time.perf_counter() - start)
     out = {"median_s": statistics.median(times)}
     if sharded is not None:
@@ -108,27 +110,34 @@ def _one_system(system: str) -> dict:
     return out
 
 
-def _round() -> dict:
+def _round(systems: list[str], warmup: int, timed: int) -> dict:
     torch.set_num_threads(1)
-    return {system: _one_system(system) for system in SYSTEMS}
+    return {system: _one_system(system, warmup, timed) for system in systems}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--warmup", type=int, default=WARMUP)
+    parser.add_argument("--timed", type=int, default=TIMED)
+    parser.add_argument("--systems", default=",".join(SYSTEMS))
     args = parser.parse_args()
-    rounds = [run_ranks(_round, args.world_size, timeout=1800) for _ in range(args.rounds)]
+    systems = args.systems.split(",")
+    if "ddp" not in systems:
+        systems.insert(0, "ddp")  # every ratio is to DDP's step in the same round
+    rounds = []
+    for i in range(args.rounds):
+        rounds.append(run_ranks(_round, args.world_size, systems, args.warmup, args.timed,
+                                timeout=1800))
+        medians = {s: round(max(r[s]["median_s"] for r in rounds[-1]), 3) for s in systems}
+        print(f"round {i + 1}: slowest rank's median step (s) {medians}", flush=True)
     model = GPT(CFG)
-    predicted = estimate(
-        model, world_size=args.world_size, optimizer=MultiOptimizer(optimizers(model)),
-        config=zerolite.ZeroConfig(stage=2),
-    ).ownership_imbalance
     print(f"GPT {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params, "
-          f"{args.world_size} ranks, {args.rounds} rounds x {TIMED} timed steps")
+          f"{args.world_size} ranks, {args.rounds} rounds x {args.timed} timed steps")
     print(f"{'system':6s} {'median ms':>10s} {'vs DDP':>14s} "
           f"{'model states per rank (MB)':>34s} {'owned elements per rank':>30s}")
-    for system in SYSTEMS:
+    for system in systems:
         medians = [max(r[system]["median_s"] for r in rnd) for rnd in rounds]  # slowest rank
         ratios = [
             max(r[system]["median_s"] for r in rnd) / max(r["ddp"]["median_s"] for r in rnd)
@@ -139,9 +148,14 @@ def main() -> None:
         spread = f"{statistics.mean(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f})"
         print(f"{system:6s} {1e3 * statistics.median(medians):10.1f} {spread:>14s} "
               f"{mem:>34s} {owned:>30s}")
-    measured = rounds[0][0]["zl2"]["imbalance"]
-    print(f"ownership imbalance (max/min owned elements): measured {measured:.3f}, "
-          f"estimated {predicted:.3f}")
+    for system in systems[1:]:
+        measured = rounds[0][0][system]["imbalance"]
+        predicted = estimate(
+            model, world_size=args.world_size, optimizer=MultiOptimizer(optimizers(model)),
+            config=zerolite.ZeroConfig(stage=int(system[-1])),
+        ).ownership_imbalance
+        print(f"{system} ownership imbalance (max/min owned elements): measured "
+              f"{measured:.3f}, estimated {predicted:.3f}")
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ hybrid has replica groups of 2; native collectives are not point-to-point; an as
 save taken after step 1 while steps 2-3 ran loads back equal to the parameters at the
 call; clipping clipped.
 
-The pairwise set (16 configurations today) runs in the suite; the full product of accepted
+The pairwise set (17 configurations today) runs in the suite; the full product of accepted
 configurations is marked ``slow`` and runs with ``make test-matrix``.
 """
 

@@ -1,4 +1,5 @@
-"""``torch.compile`` on a sharded model, stages 1-3, 2 ranks.
+"""``torch.compile`` on a sharded model, stages 1-3 (stage 3 also with ``partition="tensor"``),
+2 ranks.
 
 Two shapes users write, each against single-process training with `tests.parity`'s rules
 (per tensor and per step, within twice DDP's own deviation; AOTAutograd's decompositions
@@ -41,19 +42,20 @@ def _loop(model, opt, data, step_fn) -> list[float]:
 
 
 def _run(stage: int, how: str) -> tuple[list[float], dict[str, torch.Tensor], int]:
-    """Train parity.TINY for STEPS steps; ``how``: "module" or "step".
+    """Train parity.TINY for STEPS steps; ``how``: "module", "step", or "tensor" (as
+    "module", under whole-tensor ownership: stage 3 gathers each unit from its owners).
 
     Returns the losses, the full parameters and the number of graphs dynamo compiled.
     """
     torch._dynamo.reset()
     counters.clear()
     model = parity.make_model()
-    config = zerolite.ZeroConfig(stage=stage)
+    config = zerolite.ZeroConfig(stage=stage, partition="tensor" if how == "tensor" else "flat")
     opt = zerolite.shard(model, parity.make_optimizer("AdamW", model), config)
     # Stages 1-2: zerolite's hooks on the compiled module run outside its graph, so
     # fullgraph=True holds; stage 3 gathers units inside the forward (graph breaks).
     compiled = torch.compile(model, backend="aot_eager", fullgraph=stage != 3)
-    forward = compiled if how == "module" else model
+    forward = model if how == "step" else compiled
 
     def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         loss = forward(x, y)
@@ -97,7 +99,7 @@ def _all_cases(cases: list[tuple[int, str]]) -> tuple[list[tuple[int, str, float
 
 def test_compiled_training_matches_uncompiled_without_recompiles() -> None:
     # One launch for all cases: dynamo's first compile in a process pays for its imports.
-    cases = [(stage, how) for how in ("module", "step") for stage in (1, 2, 3)]
+    cases = [(stage, how) for how in ("module", "step") for stage in (1, 2, 3)] + [(3, "tensor")]
     results, fullgraph_error = run_ranks(_all_cases, 2, cases, timeout=240)[0]
     assert [(stage, how) for stage, how, _, _ in results] == cases
     for stage, how, worst, graphs in results:

@@ -3,7 +3,7 @@
 The guarantee (README, "Stages and memory"; docs/choosing-a-stage.md): at one world size,
 on the point-to-point collectives (gloo's default), stages 1, 2 and 3 give bit for bit the
 same parameters, in fp32 and bf16, with ``clip_grad_norm_``, other bucket sizes, hybrid
-sharding, ``partition="tensor"`` (stages 1-2) and accumulation under ``no_sync()``. Two
+sharding, ``partition="tensor"`` and accumulation under ``no_sync()``. Two
 orders make it so:
 
 - every reduced gradient element is the sum of the ranks' contributions in rank order,
@@ -118,8 +118,7 @@ CASES_4 = {
                                             "accumulate": True},
     "fp32 clip, hybrid k=2": {"clip": True, "k": 2},
     "fp32 clip, hybrid k=1 (4 replicas)": {"clip": True, "k": 1},
-    # Whole-tensor ownership runs at stages 1-2 (docs/limits.md).
-    "fp32 clip, partition tensor": {"clip": True, "partition": "tensor", "stages": (1, 2)},
+    "fp32 clip, partition tensor": {"clip": True, "partition": "tensor"},
 }
 
 

@@ -4,8 +4,9 @@
   process and with DDP (tests/parity.py's criterion); at stage 3 the frozen base is
   sharded 1/N; a QLoRA-style run (bf16 frozen base, fp32 LoRA masters) at stage 3.
 - ``generate()`` at stage 3 with ranks stopping at different lengths finishes (it hung:
-  transformers syncs ranks only for DeepSpeed / FSDP) with the unsharded model's tokens;
-  ``synced_gpus`` passed by the caller overrides zerolite's default.
+  transformers syncs ranks only for DeepSpeed / FSDP) with the unsharded model's tokens,
+  under ``partition="flat"`` and ``"tensor"``; ``synced_gpus`` passed by the caller
+  overrides zerolite's default.
 - Decoding inside ``gathered_parameters`` (and with ``reshard_after_forward=False``)
   issues no gather per decoding step.
 """
@@ -141,11 +142,12 @@ def test_peft_lora_parity_four_ranks():
     _check_lora(run_ranks(_lora_parity_case, 4, False, timeout=240)[0], 4)
 
 
-def _generate_case() -> dict:
+def _generate_case(partition: str = "flat") -> dict:
     rank = dist.get_rank()
     reference = make_llama().eval()
     model = make_llama().eval()
-    zerolite.shard(model, make_opt(model), zerolite.ZeroConfig(stage=3, timeout_s=30))
+    zerolite.shard(model, make_opt(model), zerolite.ZeroConfig(stage=3, timeout_s=30,
+                                                              partition=partition))
     prompt = torch.randint(3, VOCAB, (2, 5), generator=torch.Generator().manual_seed(rank))
     # Rank 0 stops after 2 new tokens, rank 1 after 9: rank 0 leaves its loop first.
     kwargs = {"max_new_tokens": 2 if rank == 0 else 9, "do_sample": False, "eos_token_id": None}
@@ -177,7 +179,8 @@ def _synced_gpus_case() -> dict:
 
 
 def _generation_cases() -> dict:
-    return {"lengths": _generate_case(), "decode": _decode_without_gathers_case(),
+    return {"lengths": _generate_case(), "tensor": _generate_case("tensor"),
+            "decode": _decode_without_gathers_case(),
             "synced": _synced_gpus_case()}
 
 
@@ -185,8 +188,9 @@ def test_generate_at_stage_3_never_hangs_and_decodes_without_per_step_gathers():
     """One launch (transformers' import dominates a launch's time) for two behaviours."""
     ranks = run_ranks(_generation_cases, 2, timeout=120)
     # Ranks stopping at different lengths: both finish, with the unsharded model's tokens.
-    lengths = [r["lengths"] for r in ranks]
-    assert [x["new"] for x in lengths] == [2, 9] and all(x["equal"] for x in lengths), lengths
+    # The same with each unit gathered from its whole-tensor owners (partition="tensor").
+    lengths = [r["lengths"] for r in ranks] + [r["tensor"] for r in ranks]
+    assert [x["new"] for x in lengths] == [2, 9, 2, 9] and all(x["equal"] for x in lengths), lengths
     # Decoding inside gathered_parameters, or with reshard_after_forward=False, after a
     # first forward: no gather per decoding step, same tokens, nothing left stale.
     r = ranks[0]["decode"]

@@ -6,7 +6,8 @@ load, every parameter and every parameter's optimizer state (reassembled whole, 
 equal the saved ones bit for bit, and each param group's LR is the saved one:
 
 - Muon + Adafactor + AdamW (Adafactor's factored row/column state of the embeddings
-  included), ``"tensor"`` at 2 ranks -> ``"tensor"`` at 4 (owners reassigned);
+  included), ``"tensor"`` at stage 2 and 2 ranks -> ``"tensor"`` at stage 3 and 4 ranks
+  (owners reassigned, each unit's buffer ordered by owner);
 - AdamW ``"flat"`` at 4 -> ``"tensor"`` at 2 (allowed: AdamW is elementwise);
 - AdamW ``"tensor"`` at 2 -> ``"flat"`` at 3.
 
@@ -66,13 +67,15 @@ def gathered_state(opt: zerolite.ShardedOptimizer) -> dict[str, dict[str, torch.
 
 
 def _run(
-    name: str, partition: str, steps: range, load_from: str | None, save_to: str | None
+    name: str, partition: str, steps: range, load_from: str | None, save_to: str | None,
+    stage: int = 2,
 ) -> dict:
     """Load ``load_from`` (if given), train ``steps`` of the global batches with clipping and
-    schedulers, save to ``save_to`` (if given); report what the comparison needs."""
+    schedulers at ``stage``, save to ``save_to`` (if given); report what the comparison
+    needs."""
     data = parity.batches(TOTAL)
     model = parity.make_model()
-    opt = shard(name, model, stage=2, bucket_size_mb=0.01, partition=partition)
+    opt = shard(name, model, stage=stage, bucket_size_mb=0.01, partition=partition)
     scheds = schedulers_for(opt)
     out: dict = {"initial_lrs": [g["lr"] for g in opt.param_groups]}  # before any load
     if load_from is not None:
@@ -99,7 +102,7 @@ def _run(
         out["lrs"] = [g["lr"] for g in opt.param_groups]
         # The in-memory state dict round-trips into a twin at the same layout.
         twin = parity.make_model()
-        twin_opt = shard(name, twin, stage=2, bucket_size_mb=0.01, partition=partition)
+        twin_opt = shard(name, twin, stage=stage, bucket_size_mb=0.01, partition=partition)
         twin_opt.load_state_dict(opt.state_dict())
         twin_state = gathered_state(twin_opt)
         out["state_dict_round_trip"] = all(
@@ -116,8 +119,9 @@ def resumed(tmp_path_factory) -> dict:
     three = "muon+adafactor+adamw"
     out = {}
     saved = run_ranks(_run, 2, three, "tensor", range(SAVE_AT), None, str(root / "a"))
-    loaded = run_ranks(_run, 4, three, "tensor", range(SAVE_AT, TOTAL), str(root / "a"), None)
-    out[(three, "tensor@2", "tensor@4")] = (saved[0], loaded[0])
+    loaded = run_ranks(_run, 4, three, "tensor", range(SAVE_AT, TOTAL), str(root / "a"), None,
+                       3)
+    out[(three, "tensor@2", "stage 3 tensor@4")] = (saved[0], loaded[0])
     flat4 = run_ranks(_run, 4, "adamw", "flat", range(SAVE_AT), None, str(root / "b"))
     tensor2 = run_ranks(_run, 2, "adamw", "tensor", range(SAVE_AT, 4), str(root / "b"),
                         str(root / "c"))

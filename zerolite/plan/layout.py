@@ -6,9 +6,10 @@ world size ``N`` so that it splits into ``N`` equal, contiguous shards::
     |  p0  |    p1    | p2 |pad|          padded_numel = N * shard_numel
     |  rank 0 shard  |  rank 1 shard |     padding <= N - 1 elements
 
-With ``owners`` (``ZeroConfig.partition="tensor"``, see `zerolite.plan.owners`) each
-parameter lies whole in its owner's shard instead: parameters are ordered by owner, shard
-``r`` is exactly rank ``r``'s parameters (uneven, possibly empty), and nothing is padded::
+With ``owners`` (``ZeroConfig.partition="tensor"``, see `zerolite.plan.owners`; at stage 3
+the buffer is a unit's) each parameter lies whole in its owner's shard instead: parameters
+are ordered by owner, shard ``r`` is exactly rank ``r``'s parameters (uneven, possibly
+empty), and nothing is padded::
 
     |  p0 (rank 0)  | p1 (rank 0) |  p2 (rank 2)  |     rank 1's shard is empty
 

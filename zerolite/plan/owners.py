@@ -12,9 +12,21 @@ parameters are ordered by owner, see `zerolite.plan.layout.FlatLayout`'s ``owner
   optimizer;
 - updated parameters are sent out from their owners (the bucket's all-gather, uneven).
 
+At stage 3 a buffer is a unit's (`zerolite.plan.units`), ordered by owner the same way:
+rank ``r``'s shard of a unit is the unit's tensors it owns (uneven, possibly empty), which
+is all it holds of them between uses. The unit's gather collects each chunk from its owner
+and its gradients are reduced to the owners, with the stage-3 machinery unchanged (the
+exchange is the buffer's `zerolite.comm.exchange.OwnedExchange`).
+
 Ownership is balanced greedily by element count over the whole model (largest first,
 each to the least-loaded rank, ties to the lower rank): a pure function of the plan, so
-every rank computes the same owners without communicating. Whole tensors cannot be split,
+every rank computes the same owners without communicating. Over the whole model, not per
+buffer or unit: what an owner holds (master, gradient shard, optimizer state) and the
+optimizer work it does add up over all buffers, so this is the balance that evens out
+memory and step time; a per-unit balance would not shrink a stage-3 gather (every rank
+receives the whole unit either way). Which rank owns a tensor does not change the
+arithmetic (each gradient element is summed in rank order on any owner), so stages 1-3
+train bit for bit alike under ``"tensor"``. Whole tensors cannot be split,
 so ranks may hold unequal amounts: `imbalance` (max/min of owned elements over ranks)
 says how unequal; `zerolite.memory.footprint` and ``estimate`` report it.
 """

@@ -82,7 +82,9 @@ class ShardPlan:
 
     def unit_buffers(self) -> list[list[int]]:
         """Stage 3: each unit's buffer indices (trained, then frozen), root last."""
-        index_of = {id(params[0][1]): i for i, params in enumerate(self.all_flat_params)}
+        # Keyed by every parameter: with owners a buffer's first parameter need not be its
+        # unit's first (`zerolite.plan.owners.assign_owners` sorts each buffer by owner).
+        index_of = {id(p): i for i, params in enumerate(self.all_flat_params) for _, p in params}
         return [
             [index_of[id(ps[0][1])] for ps in (u.params, u.frozen) if ps] for u in self.units or []
         ]
@@ -200,22 +202,13 @@ def plan_layout(
 def _check_optimizers(
     optimizers: Sequence[torch.optim.Optimizer], partition: str, config: ZeroConfig
 ) -> None:
-    """Each optimizer steps its partition exactly, at a stage that can shard it."""
+    """Each optimizer steps its partition exactly (any stage 1-3 shards either partition)."""
     for inner in optimizers:
         if partition == "flat":
             check_optimizer(inner, config.elementwise_optimizers)
         else:
             check_tensor_optimizer(inner)
     policy = STAGES[config.stage]
-    if partition == "tensor" and policy.shards_parameters:
-        names = ", ".join(type(o).__name__ for o in optimizers)
-        raise ValueError(
-            f"ZeroConfig.partition={config.partition!r} resolves to whole-tensor ownership (for "
-            f"{names}), which zerolite supports at stages 1-2 only: stage 3 gathers each unit "
-            "from equal 1-D shards of its parameters, which an owner-by-tensor layout does not "
-            "have. Use stage=2 with partition='tensor' (gradients and optimizer state stay "
-            "sharded), or stage=3 with an elementwise optimizer and partition='flat'"
-        )
     if not policy.shards_optimizer_state:
         raise ValueError(
             "ZeroConfig.stage=0 means plain DDP and is only meaningful to the memory estimator; "
