@@ -53,10 +53,6 @@ _LOOSENESS = ("bitwise", "order", "quantized")
 REFUSED = (
     (lambda c: c["partition"] == "tensor" and c["stage"] == 3,
      "whole-tensor ownership at stage 3: stage 3 gathers flat units"),
-    (lambda c: c["partition"] == "tensor" and c["offload"] is not None,
-     "offload with partition='tensor': the tier streams flat pieces"),
-    (lambda c: c["partition"] == "tensor" and c["quantize"] is not None,
-     "quantized collectives with partition='tensor': owned exchanges are unquantized"),
 )
 
 
