@@ -4,13 +4,15 @@ One 2-rank launch, stage 2, a chunk of 4 kB (so the streamed step cuts the tier 
 boundaries and some tensors are larger than a chunk):
 
 1. Muon (blocks' matrices) + Adafactor (embeddings: factored state of a 2-D tensor) +
-   AdamW (the rest), fp32 and bf16, host and disk: losses, every parameter and the
+   AdamW (the rest), fp32 on the host tier and bf16 (masters offloaded too) on disk:
+   losses, every parameter and the
    optimizer's state are bitwise those of the in-memory ``"tensor"`` run; the tier holds
    Adafactor's row and column factors in their own shapes;
 2. Muon + AdamW in bf16 with half the owned tensors offloaded (``offload_fraction=0.5``):
    bitwise too, and `footprint` equals `estimate` (which has no formula for Adafactor);
-3. a checkpoint saved offloaded loads into the in-memory run: masters and state equal to
-   the offloaded run's, and one more step stays bitwise alike.
+3. a checkpoint saved offloaded (disk) loads into the in-memory run and into an offloaded
+   one (host): masters and state equal to the saving run's, and one more step stays
+   bitwise alike.
 """
 
 from __future__ import annotations
@@ -89,15 +91,14 @@ def _parity_cases(where: str) -> dict:
     data = parity.batches(STEPS)
     out: dict = {}
     name = "muon+adafactor+adamw"
-    for dtype in (torch.float32, torch.bfloat16):
+    for dtype, tier in ((torch.float32, "host"), (torch.bfloat16, "disk")):
         base = _train(name, dtype, data)
-        for tier in ("host", "disk"):
-            run = _train(name, dtype, data, offload=tier, offload_dir=where)
-            out[f"{name} {dtype} {tier}"] = {
-                "losses_equal": run["losses"] == base["losses"],
-                "differ": _equal(run["snapshot"], base["snapshot"]),
-                **{k: run[k] for k in ("slots", "larger_than_chunk", "factored")},
-            }
+        run = _train(name, dtype, data, offload=tier, offload_dir=where)
+        out[f"{name} {dtype} {tier}"] = {
+            "losses_equal": run["losses"] == base["losses"],
+            "differ": _equal(run["snapshot"], base["snapshot"]),
+            **{k: run[k] for k in ("slots", "larger_than_chunk", "factored")},
+        }
     name = "muon+adamw"
     base = _train(name, torch.bfloat16, data)
     half = _train(name, torch.bfloat16, data, offload="host", offload_fraction=0.5)
@@ -117,10 +118,17 @@ def _checkpoint_case(where: str, root: str) -> dict:
     loaded_model, loaded_opt = _build(name, dtype)
     ckpt.load(f"{root}/offloaded", loaded_model, loaded_opt)
     restored = _snapshot(loaded_model, loaded_opt)
+    # And into a fresh offloaded run (host): the tier written from the file.
+    host_model, host_opt = _build(name, dtype, offload="host")
+    ckpt.load(f"{root}/offloaded", host_model, host_opt)
+    restored_host = _snapshot(host_model, host_opt)
     after = [parity.train(m, o, data[STEPS:], sliced=True)
-             for m, o in ((model, opt), (loaded_model, loaded_opt))]
-    return {"restored_differ": _equal(saved, restored), "next_loss_equal": after[0] == after[1],
-            "next_differ": _equal(_snapshot(model, opt), _snapshot(loaded_model, loaded_opt))}
+             for m, o in ((model, opt), (loaded_model, loaded_opt), (host_model, host_opt))]
+    final = [_snapshot(m, o) for m, o in
+             ((model, opt), (loaded_model, loaded_opt), (host_model, host_opt))]
+    return {"restored_differ": _equal(saved, restored) + _equal(saved, restored_host),
+            "next_loss_equal": after[0] == after[1] == after[2],
+            "next_differ": _equal(final[0], final[1]) + _equal(final[0], final[2])}
 
 
 def _rank(where: str, root: str) -> dict:
@@ -149,7 +157,7 @@ def test_offloaded_owned_tensors_step_bitwise_as_in_memory(reports) -> None:
             assert any(r["parity"][label]["factored"] for r in reports), label
 
 
-def test_checkpoint_of_offloaded_owned_tensors_loads_in_memory(reports) -> None:
+def test_checkpoint_of_offloaded_owned_tensors_loads_in_memory_and_offloaded(reports) -> None:
     for rank, r in enumerate(reports):
         c = r["checkpoint"]
         assert c["restored_differ"] == [], (rank, c)

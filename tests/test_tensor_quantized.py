@@ -10,7 +10,7 @@
    is its owner's own size: ``4 ceil(q / B)`` scale bytes, ``4 r`` raw bytes and ``q``
    code bytes for ``q`` quantized and ``r`` raw fp32 elements, counted here from the
    chunk sizes alone, and nothing travels to or from an owner of nothing.
-2. Training Muon + AdamW at stage 2, fp32 and bf16, both switches on: within 1e-2 of the
+2. Training Muon + AdamW at stage 2 for 6 steps, fp32 and bf16, both switches on: within 1e-2 of the
    unquantized ``"tensor"`` run's per-step loss (as flat); each gather and reduce sends
    uint8 messages within the flat test's share of the unquantized bytes; residuals are
    non-zero and saved per parameter range (``residual/{name}/{start}-{end}``, each a
@@ -44,6 +44,7 @@ from zerolite.testing import FootprintMismatch, assert_footprint, run_ranks
 
 BLOCK = 64
 TIMEOUT = 120.0
+STEPS = 6
 NUMELS = (700, 20, 300)  # the 20-element parameter travels raw (under a block)
 
 
@@ -117,7 +118,7 @@ def _exchange_case(owners: tuple[int, ...], group: Group, out: dict) -> None:
     out[label]["expected"] = _expected_bytes(owners, rank)
 
 
-def _exchanges_rank(collectives: str) -> dict:
+def _exchanges(collectives: str) -> dict:
     group = Group(collectives=collectives)
     out: dict = {}
     for owners in ((0, 0, 1), (1, 1, 1)):  # uneven chunks; rank 0 owning nothing
@@ -125,11 +126,22 @@ def _exchanges_rank(collectives: str) -> dict:
     return out
 
 
+def _rank(root: str) -> dict:
+    """Everything, in one launch (each launch costs a process start)."""
+    return {"exchanges": {c: _exchanges(c) for c in ("point_to_point", "native")},
+            "training": _training(), "resume": _resume(root)}
+
+
+@pytest.fixture(scope="module")
+def reports(tmp_path_factory) -> list[dict]:
+    root = str(tmp_path_factory.mktemp("ckpt"))
+    return run_ranks(_rank, 2, root, timeout=3 * TIMEOUT)
+
+
 @pytest.mark.parametrize("collectives", ["point_to_point", "native"])
-def test_quantized_owned_exchanges(collectives: str) -> None:
-    reports = run_ranks(_exchanges_rank, 2, collectives, timeout=TIMEOUT)
+def test_quantized_owned_exchanges(reports, collectives: str) -> None:
     for rank, r in enumerate(reports):
-        for label, c in r.items():
+        for label, c in r["exchanges"][collectives].items():
             assert c["identical"] and c["within"] and c["raw_exact"], (rank, label, c)
             assert c["reduce_within"], (rank, label, c)
             without, with_feedback = c["errors"][False], c["errors"][True]
@@ -145,7 +157,7 @@ def _train(dtype: torch.dtype, **quantize) -> tuple[list[float], object, object,
                                  bucket_size_mb=0.01, quant_block=BLOCK, **quantize)
     opt = zerolite.shard(model, BUILDERS["muon+adamw"](model), config)
     with CommSpy() as spy:
-        losses = parity.train(model, opt, parity.batches(10), sliced=True)
+        losses = parity.train(model, opt, parity.batches(STEPS), sliced=True)
     return losses, model, opt, exchanges(spy.events, dist.get_world_size())
 
 
@@ -164,7 +176,7 @@ def _residual_keys(opt) -> dict:
             "covers_others": set(other) == set(shapes) - mine}
 
 
-def _training_rank() -> dict:
+def _training() -> dict:
     out: dict = {"loss_rel": {}, "identical": {}, "footprint": {}, "wire": {}, "residuals": {}}
     for dtype in (torch.float32, torch.bfloat16):
         label = str(dtype)
@@ -189,9 +201,8 @@ def _training_rank() -> dict:
     return out
 
 
-def test_quantized_tensor_training_stays_close_and_consistent() -> None:
-    reports = run_ranks(_training_rank, 2, timeout=2 * TIMEOUT)
-    for r in reports:
+def test_quantized_tensor_training_stays_close_and_consistent(reports) -> None:
+    for r in (rep["training"] for rep in reports):
         assert max(r["loss_rel"].values()) <= 1e-2, r["loss_rel"]  # NaN fails
         assert all(r["identical"].values()), r["identical"]
         assert set(r["footprint"].values()) == {"ok"}, r["footprint"]
@@ -208,7 +219,7 @@ def test_quantized_tensor_training_stays_close_and_consistent() -> None:
                     label, exchange, q, u)
 
 
-def _resume_rank(root: str) -> dict:
+def _resume(root: str) -> dict:
     data = parity.batches(4)
 
     def build():
@@ -227,6 +238,6 @@ def _resume_rank(root: str) -> dict:
     return {"equal": straight == resumed, "straight": straight, "resumed": resumed}
 
 
-def test_checkpoint_resume_with_owned_residuals_is_exact(tmp_path) -> None:
-    for r in run_ranks(_resume_rank, 2, str(tmp_path), timeout=TIMEOUT):
+def test_checkpoint_resume_with_owned_residuals_is_exact(reports) -> None:
+    for r in (rep["resume"] for rep in reports):
         assert r["equal"], r
