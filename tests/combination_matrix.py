@@ -11,7 +11,8 @@ save, collectives) are how zerolite runs it. Each configuration is judged agains
   tier; an asynchronous save copies the state; whole-tensor ownership sums each gradient
   element in rank order, as the flat reduce-scatter does, and AdamW steps elementwise; with
   native collectives the backend's reduce and reduce-scatter add in their own orders, so
-  there ownership follows the ``order`` rule).
+  there ownership follows the ``order`` rule; with quantization the int8 blocks run over
+  each owner's chunk instead of equal shards, so there it follows the ``quantized`` rule).
 - ``order``: the feature sums the same gradients in another order (hybrid averages within
   the node, then across; native collectives add in the backend's order): in fp32 the loss
   per step within `tests.parity.loss_bound` of DDP's own deviation between summation
@@ -49,13 +50,9 @@ RULES = {"offload": "bitwise", "async_save": "bitwise", "partition": "bitwise",
          "hybrid": "order", "collectives": "order", "quantize": "quantized"}
 _LOOSENESS = ("bitwise", "order", "quantized")
 
-# (what is refused, why): docs/limits.md names the same ones.
-REFUSED = (
-    (lambda c: c["partition"] == "tensor" and c["offload"] is not None,
-     "offload with partition='tensor': the tier streams flat pieces"),
-    (lambda c: c["partition"] == "tensor" and c["quantize"] is not None,
-     "quantized collectives with partition='tensor': owned exchanges are unquantized"),
-)
+# (what is refused, why), as (predicate, reason) pairs: none today. A refusal added to
+# `shard()` must be listed here and in docs/limits.md.
+REFUSED: tuple = ()
 
 
 def accepted(config: dict) -> bool:
@@ -74,6 +71,8 @@ def base(config: dict) -> dict:
 
 
 def _rule_of(feature: str, config: dict) -> str:
+    if feature == "partition" and config["quantize"] is not None:
+        return "quantized"  # the int8 blocks run over each owner's chunk, not equal shards
     if feature == "partition" and config["collectives"] == "native":
         return "order"
     return RULES[feature]

@@ -197,7 +197,7 @@ def _agree_on_plan(
         check_not_sharded(model, optimizer)
         plan = plan_layout(model, inner_optimizers(optimizer), config, device=world.buffer_device)
         lines += plan.describe(config, model, class_name(optimizer), optimizer.param_groups)
-        lines += describe_quantization(config, model, plan.partition)
+        lines += describe_quantization(config, model)
     # (Reached only when every rank planned: `agreed` raised otherwise.)
     return cast(torch.optim.Optimizer, optimizer), cast(ShardPlan, plan), k, lines
 

@@ -131,7 +131,11 @@ def _offloaded_tensors(piece: Piece) -> dict[str, torch.Tensor | LazyTensor]:
 
     def lazy(field: str) -> LazyTensor:
         read_into = functools.partial(tier.read_into, slot, field, 0)
-        return LazyTensor(tier.field_dtype(slot, field), (numel,), read_into)
+        shape = tier.field_shape(slot, field)
+        # As `rank_file` saves a resident piece: per-element state (the master's shape)
+        # flat, other state (a whole owned tensor's factors) in its own shape.
+        flat = shape == tuple(piece.master.shape)
+        return LazyTensor(tier.field_dtype(slot, field), (numel,) if flat else shape, read_into)
 
     out: dict[str, torch.Tensor | LazyTensor] = {
         master_key(name, start, end):

@@ -11,6 +11,8 @@ chunks out). A variant is a class, not a branch at the call sites:
   (``partition="tensor"``, `zerolite.comm.owned`);
 - `QuantizedExchange`: int8 blocks in either direction or both (`zerolite.comm.quantized`),
   holding the reduce direction's error-feedback residual;
+- `QuantizedOwnedExchange`: the same for uneven owned chunks, one message per owner
+  (`zerolite.comm.quantized_owned`);
 - `ReplicaStep`: hybrid sharding. It wraps the shard group's exchange and, once that
   reduce-scatter lands, averages this rank's chunk across its replica group
   (`zerolite.comm.hybrid`); `QuantizedReplicaStep` does so in int8 blocks
@@ -33,12 +35,14 @@ from zerolite.comm.collectives import Group, Pending, all_gather_inplace, reduce
 from zerolite.comm.hybrid import average_across_replicas
 from zerolite.comm.owned import gather_from_owners, reduce_to_owners
 from zerolite.comm.quantized import quantized_all_gather, quantized_reduce_scatter_avg
+from zerolite.comm.quantized_owned import quantized_gather_from_owners, quantized_reduce_to_owners
 from zerolite.comm.quantized_replicas import quantized_average_across_replicas
 
 __all__ = [
     "Exchange",
     "OwnedExchange",
     "QuantizedExchange",
+    "QuantizedOwnedExchange",
     "QuantizedReplicaStep",
     "ReplicaStep",
     "exchange_for",
@@ -112,7 +116,8 @@ class QuantizedExchange(Exchange):
         reduce_wire: how the reduce-scatter's chunks travel (raw elements in the gradients'
             reduce dtype), or None.
         error_feedback: keep the reduce-scatter's residual, ``(N - 1, S)`` fp32 on
-            ``device`` (row order: `zerolite.comm.quantized.residual_chunks`).
+            ``device``, ``S`` the largest chunk (row order:
+            `zerolite.comm.quantized.residual_chunks`).
     """
 
     def __init__(
@@ -129,7 +134,7 @@ class QuantizedExchange(Exchange):
         self.gather_wire = gather_wire
         self.reduce_wire = reduce_wire
         if reduce_wire is not None and error_feedback:
-            shard = reduce_wire.chunks[0].numel
+            shard = max(c.numel for c in reduce_wire.chunks)
             self.residual = torch.zeros(
                 (group.size - 1, shard), dtype=torch.float32, device=device
             )
@@ -147,6 +152,35 @@ class QuantizedExchange(Exchange):
             return super().all_gather(full, what=what)
         return quantized_all_gather(
             full, self.gather_wire, self.group, key=self.gather_key, what=what
+        )
+
+
+class QuantizedOwnedExchange(QuantizedExchange):
+    """Uneven owned chunks (``sizes[r]`` elements each, as `OwnedExchange`) as int8 blocks,
+    one message per owner, in the directions that have a wire (`zerolite.comm.quantized_owned`);
+    each wire has one codec of ``sizes[r]`` elements per rank."""
+
+    def __init__(self, group: Group, index: int, sizes: Sequence[int], **wires) -> None:
+        super().__init__(group, index, **wires)
+        self.sizes = tuple(sizes)
+
+    def reduce_scatter(self, full: torch.Tensor, out: torch.Tensor, *, what: str) -> Pending:
+        if self.reduce_wire is None:
+            return reduce_to_owners(
+                full, out, self.sizes, self.group, key=self.reduce_key, what=what
+            )
+        return quantized_reduce_to_owners(
+            full, out, self.sizes, self.reduce_wire, self.residual, self.group,
+            key=self.reduce_key, what=what,
+        )
+
+    def all_gather(self, full: torch.Tensor, *, what: str) -> Pending:
+        if self.gather_wire is None:
+            return gather_from_owners(
+                full, self.sizes, self.group, key=self.gather_key, what=what
+            )
+        return quantized_gather_from_owners(
+            full, self.sizes, self.gather_wire, self.group, key=self.gather_key, what=what
         )
 
 
@@ -224,13 +258,15 @@ def exchange_for(
         error_feedback: keep the quantized reduce directions' residuals.
     """
     exchange: Exchange
-    if owner_sizes is not None:
+    quantized = gather_wire is not None or reduce_wire is not None
+    wires = dict(gather_wire=gather_wire, reduce_wire=reduce_wire,
+                 error_feedback=error_feedback, device=device)
+    if owner_sizes is not None and quantized:
+        exchange = QuantizedOwnedExchange(group, index, owner_sizes, **wires)
+    elif owner_sizes is not None:
         exchange = OwnedExchange(group, index, owner_sizes)
-    elif gather_wire is not None or reduce_wire is not None:
-        exchange = QuantizedExchange(
-            group, index, gather_wire=gather_wire, reduce_wire=reduce_wire,
-            error_feedback=error_feedback, device=device,
-        )
+    elif quantized:
+        exchange = QuantizedExchange(group, index, **wires)
     else:
         exchange = Exchange(group, index)
     if group.replicas is None or group.replicas.size == 1:

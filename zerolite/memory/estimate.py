@@ -43,11 +43,12 @@ from zerolite.plan.offload import (
     chunk_bytes_for,
     offload_layout,
     state_fields,
+    tensor_fields_of,
 )
 from zerolite.plan.optimizers import NAMED, build_named, name_of, spec_of
 from zerolite.plan.owners import assign_owners
 from zerolite.plan.quantization import residual_numel
-from zerolite.plan.shard_plan import plan_layout
+from zerolite.plan.shard_plan import ShardPlan, plan_layout
 from zerolite.plan.stages import STAGES
 
 __all__ = ["estimate", "state_bytes"]
@@ -140,7 +141,9 @@ def _breakdown(
     if offload is not None:
         master -= offload.master_bytes
         state -= offload.state_bytes
-        transient += 3 * min(offload.nbytes, chunk_bytes_for(offload.nbytes))
+        # Whole owned tensors are never cut: a larger one widens its staging buffer.
+        whole = max((s.nbytes for s in offload.slots if s.shapes), default=0)
+        transient += 3 * min(offload.nbytes, max(whole, chunk_bytes_for(offload.nbytes)))
     return MemoryBreakdown(
         params=held(policy.shards_parameters) * p + frozen_shards + other,
         grads=held(policy.shards_gradients) * kept_g + other_grads,
@@ -225,15 +228,31 @@ def estimate(
     unmanaged = [p for p in model.parameters() if id(p) not in managed]
     offload = None
     if config.offload is not None:
-        # The probe step runs on CPU: a meta model's state has the same keys and dtypes.
-        fields = [state_fields(opt, g, torch.device("cpu")) for g in opt.param_groups]
-        offload = offload_layout(
-            [b.layout.numels for b in buffers], [b.groups for b in buffers], fields,
-            config=config, rank=rank % shards, world_size=shards,
-        )
+        offload = _offload(plan, buffers, opt, config, rank % shards, shards)
     # A world rank's shard is its rank within its shard group (consecutive blocks of k).
     return _breakdown(
         buffers, opt, config, rank % shards, unmanaged, frozen, offload, world_size // shards
+    )
+
+
+def _offload(
+    plan: ShardPlan,
+    buffers: list[_Buffer],
+    opt: torch.optim.Optimizer,
+    config: ZeroConfig,
+    rank: int,
+    shards: int,
+) -> OffloadLayout:
+    """The offload layout `shard()` would make for ``rank`` of ``shards``."""
+    # The probe step runs on CPU: a meta model's state has the same keys and dtypes.
+    cpu = torch.device("cpu")
+    owned = plan.owners is not None
+    fields = [] if owned else [state_fields(opt, g, cpu) for g in opt.param_groups]
+    return offload_layout(
+        [b.layout.numels for b in buffers], [b.groups for b in buffers], fields,
+        config=config, rank=rank, world_size=shards, owners=plan.owners,
+        shapes=[[tuple(p.shape) for _, p in params] for params in plan.flat_params],
+        tensor_fields=tensor_fields_of(opt, cpu) if owned else None,
     )
 
 

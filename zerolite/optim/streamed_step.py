@@ -15,6 +15,14 @@ segment's state (its per-element slices and a copy of the piece's scalars), and
 are bitwise those of the in-memory step. A piece's ``step`` counter is shared by its
 segments: each starts from the piece's value, and the piece keeps the result.
 
+Under whole-tensor ownership (``partition="tensor"``) a shape-aware optimizer (Muon,
+Adafactor) must see each owned tensor whole: chunks are cut at piece boundaries only, each
+segment is a whole piece stepped in its parameter's shape, with its state in the shapes
+the tier holds them (`zerolite.plan.offload.Slot.shapes`). A piece larger than
+``chunk_bytes`` is a chunk of its own, and the staging buffer that carries it grows to its
+size (kept for later steps): with three buffers in flight, up to three times the largest
+offloaded tensor's bytes (master and state) of staging memory.
+
 [Note: streamed step on CUDA] No copy blocks the host. A chunk's values go to the device
 with non-blocking copies from its (pinned) staging buffer, step there, and come back with
 non-blocking copies into the same staging buffer; one CUDA event, recorded after those
@@ -28,6 +36,7 @@ as before, and no event exists.
 from __future__ import annotations
 
 import dataclasses
+import math
 from concurrent.futures import Future
 from typing import Any
 
@@ -123,16 +132,18 @@ def _chunks(
             slot = tier.slot_of(buffer, j)
             assert slot is not None
             per = max(1, tier.layout.slots[slot].bytes_per_element)
+            whole = tier.layout.slots[slot].nbytes
             group = group_of[id(master.views[j])]
             initialized = tier.initialized[slot]
             scalars = optimizer_state.get(master.views[j], {})
             lo = 0
             while lo < span.numel:
-                if room <= 0:
+                if room <= 0 or (master.shaped and whole > room):
                     if current:
                         chunks.append(current)
                     current, room = [], tier.chunk_bytes
-                take = min(span.numel - lo, max(1, room // per))
+                # A whole owned tensor is never cut (its optimizer needs all of it).
+                take = span.numel if master.shaped else min(span.numel - lo, max(1, room // per))
                 # The piece's last segment steps its own scalars (in place, as in memory);
                 # an earlier one a copy. No new long-lived tensors: allocated amid the
                 # step's freed temporaries, they would pin holes the next forward needs.
@@ -141,7 +152,7 @@ def _chunks(
                     slot, master, j, lo, lo + take, group, initialized,
                     dict(scalars) if last else _copy(scalars),
                 ))
-                room -= take * per
+                room -= whole if master.shaped else take * per
                 lo += take
     if current:
         chunks.append(current)
@@ -162,13 +173,24 @@ def _fields(tier: OffloadTier, seg: _Segment) -> list[str]:
     return names
 
 
+def _shape(tier: OffloadTier, seg: _Segment, field: str) -> tuple[int, ...]:
+    """A segment's field as the optimizer sees it: 1-D, or a whole owned tensor's shape."""
+    if seg.master.shaped:
+        return tier.field_shape(seg.slot, field)
+    return (seg.hi - seg.lo,)
+
+
+def _numel(tier: OffloadTier, seg: _Segment, field: str) -> int:
+    return math.prod(_shape(tier, seg, field))
+
+
 def _load(tier: OffloadTier, chunk: list[_Segment], buffer: int) -> list[_Segment]:
     """Reader thread: the segments' masters (when offloaded) and per-element state, read
     into views of staging buffer ``buffer`` (reused every step: no allocation, so nothing
     for the allocator to keep)."""
     need = 0
     for seg in chunk:
-        need += sum(_ALIGN + (seg.hi - seg.lo) * tier.field_dtype(seg.slot, n).itemsize
+        need += sum(_ALIGN + _numel(tier, seg, n) * tier.field_dtype(seg.slot, n).itemsize
                     for n in _fields(tier, seg))
     staging = tier.staging[buffer]
     if staging.numel() < need:  # many tiny segments: their alignment overran chunk_bytes
@@ -179,8 +201,9 @@ def _load(tier: OffloadTier, chunk: list[_Segment], buffer: int) -> list[_Segmen
         for name in _fields(tier, seg):
             dtype = tier.field_dtype(seg.slot, name)
             offset = -(-offset // _ALIGN) * _ALIGN
-            nbytes = (seg.hi - seg.lo) * dtype.itemsize
-            seg.host[name] = staging[offset : offset + nbytes].view(dtype)
+            nbytes = _numel(tier, seg, name) * dtype.itemsize
+            view = staging[offset : offset + nbytes].view(dtype)
+            seg.host[name] = view.view(_shape(tier, seg, name))
             offset += nbytes
     for seg in chunk:
         if tier.has_master(seg.slot):
@@ -205,12 +228,14 @@ def _step_chunk(
     for seg in chunk:
         master, span = seg.master, seg.master.flat.spans[seg.position]
         if seg.values is None:  # fp32: the master is the parameter shard; step it in place
-            seg.values = master.views[seg.position][seg.lo : seg.hi]
+            view = master.views[seg.position]
+            seg.values = view if master.shaped else view[seg.lo : seg.hi]
         elif seg.values.device != device:
             seg.values = seg.values.to(device, non_blocking=True)
         assert master.grad_shard is not None and seg.state is not None
         start = span.shard_start
-        seg.values.grad = master.grad_shard[start + seg.lo : start + seg.hi]
+        grad = master.grad_shard[start + seg.lo : start + seg.hi]
+        seg.values.grad = grad.view(seg.values.shape)
         seg.state = {
             **seg.scalars, **{k: v.to(device, non_blocking=True) for k, v in seg.state.items()}
         }
@@ -236,12 +261,15 @@ def _step_chunk(
         assert seg.values is not None
         unknown = [
             k for k, v in seg.state.items()
-            if isinstance(v, torch.Tensor) and v.dim() > 0 and k not in keys
+            if isinstance(v, torch.Tensor) and v.dim() > 0
+            and (k not in keys or tuple(v.shape) != _shape(tier, seg, k))
         ]
         if unknown:
+            shapes = {k: tuple(seg.state[k].shape) for k in unknown}
             raise RuntimeError(
-                f"{type(optimizer).__qualname__} made per-element state {unknown} that the "
-                f"offload layout does not hold (it holds {keys}): use offload=None"
+                f"{type(optimizer).__qualname__} made state {shapes} that the offload layout "
+                f"does not hold (it holds {keys}, sized from the parameter's shape): use "
+                "offload=None"
             )
         optimizer.state[master.views[seg.position]] = {
             k: v for k, v in seg.state.items() if k not in keys
@@ -249,7 +277,7 @@ def _step_chunk(
         tier.initialized[seg.slot] = True
         if tier.has_master(seg.slot):  # cast down into the parameter shard, as write_back
             start = span.shard_start
-            master.flat.shard[start + seg.lo : start + seg.hi].copy_(seg.values)
+            master.flat.shard[start + seg.lo : start + seg.hi].copy_(seg.values.reshape(-1))
         seg.outgoing = {MASTER: seg.values} if tier.has_master(seg.slot) else {}
         seg.outgoing.update((k, seg.state[k]) for k in keys if k in seg.state)
     if not runtime.is_accelerator(device):

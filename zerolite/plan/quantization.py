@@ -38,23 +38,14 @@ __all__ = [
 ]
 
 
-def describe_quantization(config: ZeroConfig, model: nn.Module, partition: str) -> list[str]:
+def describe_quantization(config: ZeroConfig, model: nn.Module) -> list[str]:
     """The quantization settings as agreement lines ([] when nothing is quantized).
 
     Raises:
-        ValueError: a ``quantize_skip`` name is not a parameter of ``model``; whole-tensor
-            ownership (``partition == "tensor"``) was asked for too.
+        ValueError: a ``quantize_skip`` name is not a parameter of ``model``.
     """
     if not config.quantizes:
         return []
-    if partition == "tensor":
-        # Owned tensors travel in uneven per-owner chunks, which the block codec's
-        # equal-chunk messages do not cover.
-        raise ValueError(
-            "ZeroConfig.quantize_gather / quantize_reduce work with partition='flat' only; "
-            "this model uses whole-tensor ownership (partition='tensor', e.g. for Muon or "
-            "Adafactor). Turn quantization off, or use an elementwise optimizer"
-        )
     names = {name for name, _ in model.named_parameters(remove_duplicate=False)}
     unknown = [n for n in config.quantize_skip if n not in names]
     if unknown:
@@ -136,16 +127,21 @@ def buffer_wires(
 def wire_format(
     layout: FlatLayout, raw_params: set[int], raw_dtype: torch.dtype, block: int
 ) -> WireFormat:
-    """The messages of ``layout``'s ``N`` chunks.
+    """The messages of ``layout``'s ``N`` chunks, one codec per chunk of its own size.
 
     Args:
-        layout: the flat buffer's layout (``world_size`` chunks of ``shard_numel``).
+        layout: the flat buffer's layout: ``world_size`` chunks of ``shard_numel``, or,
+            with owners (whole-tensor ownership), each rank's owned elements (uneven,
+            possibly 0: each owner's message is quantized on its own, see
+            `zerolite.comm.quantized_owned`).
         raw_params: indices (in the buffer) of the parameters that travel raw.
         raw_dtype: the dtype they travel in (the buffer's, or the gradients' reduce dtype).
         block: elements per quantization block.
     """
     return WireFormat([
-        ChunkCodec(layout.shard_numel, raw_ranges(layout, rank, raw_params), raw_dtype, block)
+        ChunkCodec(
+            layout.shard_size(rank), raw_ranges(layout, rank, raw_params), raw_dtype, block
+        )
         for rank in range(layout.world_size)
     ])
 

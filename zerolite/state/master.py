@@ -59,7 +59,7 @@ class MasterShard:
         # holds it).
         self.shaped = flat.layout.owners is not None
         self.views: list[torch.Tensor] = [
-            torch.empty(span.numel, dtype=torch.float32, device="meta")
+            torch.empty(self._shape(span), dtype=torch.float32, device="meta")
             if j < self._offloaded_masters()
             else self._view(self.data, span, self._start)
             for j, span in enumerate(spans)
@@ -70,6 +70,10 @@ class MasterShard:
 
     def _offloaded_masters(self) -> int:
         return 0 if self.flat.data.dtype == torch.float32 else self.offloaded
+
+    def _shape(self, span: Span) -> tuple[int, ...]:
+        """The shape the optimizer steps the piece in: 1-D, or its parameter's."""
+        return tuple(self.flat.shapes[span.index]) if self.shaped else (span.numel,)
 
     def _view(self, shard: torch.Tensor, span: Span, start: int = 0) -> torch.Tensor:
         """The slice of ``shard`` (which begins at shard element ``start``) at ``span``."""

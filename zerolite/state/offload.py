@@ -15,6 +15,7 @@ streams the arena through the user's optimizer is `zerolite.optim.streamed_step`
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import tempfile
@@ -144,10 +145,16 @@ class OffloadTier:
     def field_dtype(self, slot: int, field: str) -> torch.dtype:
         return self._field(slot, field)[0]
 
+    def field_shape(self, slot: int, field: str) -> tuple[int, ...]:
+        """The field's shape: 1-D of the piece's elements, or, for a whole owned tensor,
+        the shape the optimizer keeps it in (`zerolite.plan.offload.Slot.shapes`)."""
+        return self.layout.slots[slot].shape(field)
+
     def read_into(self, slot: int, field: str, lo: int, out: torch.Tensor) -> None:
-        """Read elements [lo, lo + out.numel()) of one field into ``out`` (1-D, CPU)."""
+        """Read elements [lo, lo + out.numel()) of one field into ``out`` (contiguous,
+        CPU, any shape)."""
         dtype, offset = self._field(slot, field)
-        self.arena.read(offset + lo * dtype.itemsize, out)
+        self.arena.read(offset + lo * dtype.itemsize, out.view(-1))
 
     def slot_of(self, buffer: int, position: int) -> int | None:
         """The slot of piece ``position`` of flat buffer ``buffer``; None if resident."""
@@ -163,7 +170,8 @@ class OffloadTier:
     def write(self, slot: int, field: str, lo: int, values: torch.Tensor) -> None:
         """Write ``values`` (1-D, the field's dtype) at element ``lo`` of a field."""
         dtype, offset = self._field(slot, field)
-        self.arena.write(offset + lo * dtype.itemsize, values.detach().to("cpu", dtype))
+        values = values.detach().to("cpu", dtype).reshape(-1)
+        self.arena.write(offset + lo * dtype.itemsize, values)
 
     def state_keys(self, slot: int) -> list[str]:
         """The per-element state keys slot ``slot`` holds."""
@@ -173,11 +181,15 @@ class OffloadTier:
         return any(name == MASTER for name, _, _ in self.layout.slots[slot].fields)
 
     def read_state(self, slot: int) -> dict[str, torch.Tensor]:
-        """A whole piece's per-element state (empty before its first step)."""
+        """A whole piece's per-element state, each field in its shape (empty before its
+        first step)."""
         if not self.initialized[slot]:
             return {}
-        numel = self.layout.slots[slot].numel
-        return {key: self.read(slot, key, 0, numel) for key in self.state_keys(slot)}
+        out = {}
+        for key in self.state_keys(slot):
+            shape = self.field_shape(slot, key)
+            out[key] = self.read(slot, key, 0, math.prod(shape)).view(shape)
+        return out
 
     def write_state(self, slot: int, state: dict[str, Any]) -> dict[str, Any]:
         """Store the per-element entries of ``state`` (a whole piece's); returns the rest
@@ -190,6 +202,12 @@ class OffloadTier:
                 f"keeps {sorted(keys)} per element"
             )
         for key, value in per_element.items():
+            shape = self.field_shape(slot, key)
+            if value.numel() != math.prod(shape):
+                raise ValueError(
+                    f"offloaded optimizer state {key!r} has shape {tuple(value.shape)}, the "
+                    f"offload layout holds {shape}"
+                )
             self.write(slot, key, 0, value.reshape(-1))
         self.initialized[slot] = bool(per_element) or (not keys and bool(state))
         return {k: v for k, v in state.items() if k not in keys}

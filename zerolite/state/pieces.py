@@ -71,14 +71,14 @@ class Piece:
         return self.tier is not None and self.tier.has_master(self.slot)
 
     def write_master(self, values: torch.Tensor) -> None:
-        """Replace the master's values (1-D fp32); see `write`."""
+        """Replace the master's values (fp32, 1-D or in the master's shape); see `write`."""
         if not self.master_offloaded:
             self.master.copy_(values)
             return
         self.tier.write(self.slot, "master", 0, values)  # type: ignore[union-attr]
         # publish() casts only the resident masters into the parameter shard: this one now.
         start = self.span.shard_start
-        self.flat.shard[start : start + self.span.numel].copy_(values)
+        self.flat.shard[start : start + self.span.numel].copy_(values.reshape(-1))
 
     def read_master(self) -> torch.Tensor:
         """The piece's fp32 master values (1-D; a new CPU tensor when offloaded)."""
