@@ -18,6 +18,8 @@ native all-gather / all-to-all of the message rows.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.distributed as dist
 
@@ -53,36 +55,62 @@ def residual_chunks(rank: int, world_size: int) -> list[int]:
 
 
 def exchange_rows(
-    send: torch.Tensor, received: torch.Tensor, group: Group, *, key: int
+    send: torch.Tensor,
+    received: torch.Tensor,
+    group: Group,
+    *,
+    key: int,
+    row_bytes: Sequence[int] | None = None,
 ) -> list[dist.Work]:
     """Launch an all-to-all of message rows: row ``j`` of ``send`` (``(N, bytes)`` uint8)
     goes to rank ``j``, row ``j`` of ``received`` comes from rank ``j`` (this rank's own
-    rows are not exchanged). Every rank of ``group`` calls, in lockstep."""
+    rows are not exchanged). Every rank of ``group`` calls, in lockstep.
+
+    ``row_bytes`` (uneven messages, `zerolite.comm.quantized_owned`): the message for rank
+    ``j`` is the first ``row_bytes[j]`` bytes of its row; point-to-point groups send only
+    those and nothing where it is 0 (native groups send whole rows)."""
     n = group.size
     tag = tag_of(group.next_sequence(), key)
     if not group.point_to_point:
         return [dist.all_to_all_single(received, send, group=group.pg, async_op=True)]
+    size = [send.shape[1]] * n if row_bytes is None else row_bytes
+    mine = size[group.rank]
     works = []
     for k in range(1, n):
         dst, src = (group.rank + k) % n, (group.rank - k) % n
-        works.append(dist.isend(send[dst], group.global_rank(dst), group.pg, tag))
-        works.append(dist.irecv(received[src], group.global_rank(src), group.pg, tag))
+        if size[dst]:
+            works.append(dist.isend(send[dst, : size[dst]], group.global_rank(dst), group.pg, tag))
+        if mine:
+            works.append(dist.irecv(received[src, :mine], group.global_rank(src), group.pg, tag))
     return works
 
 
-def gather_rows(messages: torch.Tensor, group: Group, *, key: int) -> list[dist.Work]:
+def gather_rows(
+    messages: torch.Tensor, group: Group, *, key: int, row_bytes: Sequence[int] | None = None
+) -> list[dist.Work]:
     """Launch an all-gather of message rows: row ``rank`` of ``messages`` (``(N, bytes)``
-    uint8) into every rank's row ``rank``. Every rank of ``group`` calls, in lockstep."""
+    uint8) into every rank's row ``rank``. Every rank of ``group`` calls, in lockstep.
+
+    ``row_bytes``: rank ``j``'s message is the first ``row_bytes[j]`` bytes of its row, as
+    in `exchange_rows`."""
     n = group.size
     tag = tag_of(group.next_sequence(), key)
     if not group.point_to_point:
         mine = messages[group.rank]
         return [all_gather_flat(messages.view(-1), mine, group=group.pg, async_op=True)]
+    size = [messages.shape[1]] * n if row_bytes is None else row_bytes
+    mine = size[group.rank]
     works = []
     for k in range(1, n):
         dst, src = (group.rank + k) % n, (group.rank - k) % n
-        works.append(dist.isend(messages[group.rank], group.global_rank(dst), group.pg, tag))
-        works.append(dist.irecv(messages[src], group.global_rank(src), group.pg, tag))
+        if mine:
+            works.append(
+                dist.isend(messages[group.rank, :mine], group.global_rank(dst), group.pg, tag)
+            )
+        if size[src]:
+            works.append(
+                dist.irecv(messages[src, : size[src]], group.global_rank(src), group.pg, tag)
+            )
     return works
 
 

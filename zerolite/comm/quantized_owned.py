@@ -28,21 +28,21 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-import torch.distributed as dist
 
 from zerolite.comm.codec import WireFormat
-from zerolite.comm.collectives import Group, Pending, tag_of
+from zerolite.comm.collectives import Group, Pending
 from zerolite.comm.quantized import encode_with_feedback, exchange_rows, gather_rows
 
 __all__ = ["quantized_gather_from_owners", "quantized_reduce_to_owners"]
 
 
 def _chunks(full: torch.Tensor, sizes: Sequence[int]) -> list[torch.Tensor]:
-    out, at = [], 0
-    for n in sizes:
-        out.append(full[at : at + n])
-        at += n
-    return out
+    return list(full.split(list(sizes)))
+
+
+def _bytes(wire: WireFormat) -> list[int]:
+    """Each owner's message at its own size (what point-to-point groups send)."""
+    return [c.nbytes for c in wire.chunks]
 
 
 def _check(wire: WireFormat, sizes: Sequence[int], full: torch.Tensor, group: Group) -> None:
@@ -51,45 +51,6 @@ def _check(wire: WireFormat, sizes: Sequence[int], full: torch.Tensor, group: Gr
             f"{group.prefix()} quantized owned exchange: buffer of {full.numel()} elements and "
             f"wire chunks {[c.numel for c in wire.chunks]} do not fit chunks {list(sizes)}"
         )
-
-
-def _p2p_reduce_rows(
-    send: torch.Tensor, received: torch.Tensor, wire: WireFormat, group: Group, *, key: int
-) -> list[dist.Work]:
-    """Point-to-point: each other owner ``dst`` gets its message (row ``dst`` of ``send``, at
-    its own size), and this rank's message comes from every other rank (into row ``src``
-    of ``received``); nothing travels to or from an owner of nothing."""
-    n, rank = group.size, group.rank
-    tag = tag_of(group.next_sequence(), key)
-    mine = wire.chunks[rank].nbytes
-    works = []
-    for k in range(1, n):
-        dst, src = (rank + k) % n, (rank - k) % n
-        theirs = wire.chunks[dst].nbytes
-        if theirs:
-            works.append(dist.isend(send[dst, :theirs], group.global_rank(dst), group.pg, tag))
-        if mine:
-            works.append(dist.irecv(received[src, :mine], group.global_rank(src), group.pg, tag))
-    return works
-
-
-def _p2p_gather_rows(
-    messages: torch.Tensor, wire: WireFormat, group: Group, *, key: int
-) -> list[dist.Work]:
-    """Point-to-point: this rank's message (row ``rank``, at its own size) to every other
-    rank, every other owner's into its row; empty messages are not sent."""
-    n, rank = group.size, group.rank
-    tag = tag_of(group.next_sequence(), key)
-    mine = wire.chunks[rank].nbytes
-    works = []
-    for k in range(1, n):
-        dst, src = (rank + k) % n, (rank - k) % n
-        theirs = wire.chunks[src].nbytes
-        if mine:
-            works.append(dist.isend(messages[rank, :mine], group.global_rank(dst), group.pg, tag))
-        if theirs:
-            works.append(dist.irecv(messages[src, :theirs], group.global_rank(src), group.pg, tag))
-    return works
 
 
 def quantized_reduce_to_owners(
@@ -131,10 +92,7 @@ def quantized_reduce_to_owners(
             encode_with_feedback(wire.chunks[dst], chunks[dst], messages[dst], row)
     received = wire.messages(full.device)
     with group.launching("zerolite::quantized_reduce_to_owners", what):
-        if group.point_to_point:
-            works = _p2p_reduce_rows(messages, received, wire, group, key=key)
-        else:
-            works = exchange_rows(messages, received, group, key=key)
+        works = exchange_rows(messages, received, group, key=key, row_bytes=_bytes(wire))
 
     def finish() -> None:
         codec = wire.chunks[rank]
@@ -178,10 +136,7 @@ def quantized_gather_from_owners(
     if sizes[rank]:
         wire.chunks[rank].encode(chunks[rank], messages[rank])
     with group.launching("zerolite::quantized_gather_from_owners", what):
-        if group.point_to_point:
-            works = _p2p_gather_rows(messages, wire, group, key=key)
-        else:
-            works = gather_rows(messages, group, key=key)
+        works = gather_rows(messages, group, key=key, row_bytes=_bytes(wire))
 
     def finish() -> None:
         for r, codec in enumerate(wire.chunks):
