@@ -55,9 +55,9 @@ def _rank1_sigkills_itself() -> None:
     dist.barrier()
 
 
-def _rank0_hangs() -> int:
+def _rank0_hangs(seconds: float) -> int:
     if dist.get_rank() == 0:
-        time.sleep(60)
+        time.sleep(seconds)
     return dist.get_rank()
 
 
@@ -241,14 +241,18 @@ def test_silent_exit_kills_the_rest_immediately(monkeypatch: pytest.MonkeyPatch)
 
 
 def test_hang_times_out_and_names_hung_rank() -> None:
-    """Rank 0 sleeps 60 s; the deadline is 10 s: a RankTimeout naming it (were the deadline
-    not kept, rank 0 would return after its sleep), no earlier than the deadline. Rank 1
-    must start, join the group and report within the deadline: 10 s leaves a loaded 2-core
-    machine room for that (3 s did not, measured)."""
+    """Rank 0 sleeps far past the deadline: a RankTimeout naming it (were the deadline not
+    kept, rank 0 would return after its sleep), no earlier than the deadline. Rank 1 must
+    start, join the group and report within the deadline, so the deadline is no wall-clock
+    constant: it is four times what a 2-rank launch takes on this machine now (at least
+    5 s), measured just before, so a loaded machine stretches both alike."""
+    start = time.monotonic()
+    run_ranks(_identity_and_sum, 2)
+    deadline = max(5.0, 4 * (time.monotonic() - start))
     start = time.monotonic()
     with pytest.raises(RankTimeout) as info:
-        run_ranks(_rank0_hangs, 2, timeout=10)
-    assert time.monotonic() - start >= 10
+        run_ranks(_rank0_hangs, 2, deadline + 60, timeout=deadline)
+    assert time.monotonic() - start >= deadline
     assert set(info.value.failures) == {0}
     assert "hung" in str(info.value) and "[rank 0/2]" in str(info.value)
     assert "[rank 1/2]" not in str(info.value)

@@ -1,12 +1,13 @@
 """Run a function on every rank of a real ``torch.distributed`` process group, for tests.
 
 Design: `run_ranks` starts one process per rank with the ``forkserver`` start method. The
-forkserver starts once per interpreter with ``torch``, ``torch.distributed`` and
-``torch.distributed.tensor`` preloaded, so a launch costs a ``fork()`` of that warm,
-single-threaded process plus importing ``fn``'s module (~0.1-0.3 s), not an interpreter start
-and torch import (seconds). Its environment and fds 1/2 are frozen when it starts, so each rank
-gets the caller's current ``os.environ`` and stdout/stderr (variables torch reads at import time
-stay the forkserver's). Ranks rendezvous through a fresh ``FileStore`` in a private temporary
+forkserver starts once per interpreter with ``torch``, ``torch.distributed``,
+``torch.distributed.tensor`` and ``zerolite`` preloaded, so a launch costs a ``fork()`` of
+that warm process plus importing ``fn``'s module (~0.2 s), not an interpreter start and the
+imports (about 4 s of CPU per rank: ``zerolite`` alone brings in ``torch._dynamo``). Its
+environment and fds 1/2 are frozen when it starts, so each rank gets the caller's current
+``os.environ`` and stdout/stderr (variables torch reads at import time stay the
+forkserver's). Ranks rendezvous through a fresh ``FileStore`` in a private temporary
 directory (no TCP port to pick) with gloo pinned to loopback.
 
 Each rank sends exactly one message through its own pipe: the return value serialised with plain
@@ -43,7 +44,9 @@ __all__ = [
 _T = TypeVar("_T")
 logger = logging.getLogger(__name__)
 
-_PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor"]
+# Imports only: the forkserver must not run a parallel op, or forked ranks would inherit a
+# dead OpenMP pool.
+_PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "zerolite"]
 _GRACE_S = 5.0  # how long surviving ranks may keep running after another rank raised
 
 
