@@ -245,8 +245,8 @@ def test_args_bf16_keeps_fp32_params_unless_the_config_sets_bf16(monkeypatch) ->
 
     monkeypatch.delenv("ZEROLITE_PARAM_DTYPE", raising=False)
     args = SimpleNamespace(bf16=True, fp16=False, device=torch.device("cpu"))
-    # The stock Trainer's recipe: fp32 parameters, bf16 autocast.
-    assert zero_config_for_args(args, zerolite.ZeroConfig(stage=3)).param_dtype == torch.float32
+    # The model's own dtype (an fp32 model: the stock Trainer's recipe, bf16 autocast).
+    assert zero_config_for_args(args, zerolite.ZeroConfig(stage=3)).param_dtype is None
     explicit = zerolite.ZeroConfig(stage=3, param_dtype=torch.bfloat16)  # zerolite's recipe
     assert zero_config_for_args(args, explicit).param_dtype == torch.bfloat16
 

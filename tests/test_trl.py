@@ -1,0 +1,123 @@
+"""TRL's trainers with ``ZeroTrainerMixin`` against the stock trainers under DDP (issue 51).
+
+``class ZeroSFT(ZeroTrainerMixin, SFTTrainer)`` (docs/hf-trainer.md, "TRL") at stages 2 and 3
+against the stock ``SFTTrainer`` on DDP, on a tiny Llama with a tied head loaded from a
+folder as TRL loads a hub model (tests/trl_cases.py, one 2-rank launch): the logged loss and
+``grad_norm`` and the weights (accumulation 2, clipping active), a resume of stage 2's
+checkpoint at stage 3, LoRA through ``peft_config``, ``save_model``; a model loaded in bf16
+(``model_init_kwargs``) kept bf16 in memory and on disk, as the stock trainer keeps it; and
+``DPOTrainer`` (its reference model built from the same folder) at stage 2.
+
+At 2 ranks the reduced gradients are DDP's bit for bit; the clipping norm is summed in
+another order (docs/hf-trainer.md, "The gradient norm"), a few fp32 roundings that fp32
+AdamW carries smoothly over 4 steps: far inside 1e-5, the tolerance of
+tests/test_hf_trainer.py.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("trl")
+
+from tests import trl_cases as cases
+from tests.parity import loss_deviations
+from zerolite.testing import run_ranks
+
+TOL = 1e-5  # relative, per step and per tensor
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    return run_ranks(cases.cases, 2, str(tmp_path_factory.mktemp("trl")), timeout=600)[0]
+
+
+def _assert_steps_close(got: list, expected: list, what: str, numbers: tuple[int, ...]) -> None:
+    assert [step for step, _, _ in got] == list(numbers), (what, got)
+    reference = {step: (loss, norm) for step, loss, norm in expected}
+    for i, label in ((1, "loss"), (2, "grad_norm")):
+        deviations = loss_deviations([entry[i] for entry in got],
+                                     [reference[s][i - 1] for s in numbers])
+        assert max(deviations) <= TOL, f"{what}: {label} off by {deviations}: {got} vs {expected}"
+
+
+def _assert_close(got: dict, expected: dict, what: str) -> None:
+    assert got.keys() == expected.keys() and got, what
+    for name, ref in expected.items():
+        rel = (got[name].float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-12)
+        assert rel <= TOL, f"{what}: {name} differs by {rel:.2e}"
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_sft_matches_the_stock_sft_trainer_on_ddp(runs: dict, stage: int) -> None:
+    stock, run = runs["stock"], runs[f"s{stage}"]
+    assert all(norm > 0.5 for _, _, norm in stock["steps"])  # clipping is active
+    _assert_steps_close(run["steps"], stock["steps"], f"stage {stage}", (1, 2, 3, 4))
+    _assert_close(run["state"], stock["state"], f"stage {stage}")
+    assert run["unwrapped"]  # sharded in place, never wrapped in DDP
+
+
+def test_sft_resumes_stage_2s_checkpoint_at_stage_3(runs: dict) -> None:
+    """Steps 3-4 as the resumed run logged them itself, against the uninterrupted run."""
+    _assert_steps_close(runs["resume"]["steps"], runs["s2"]["steps"], "resume", (3, 4))
+    _assert_close(runs["resume"]["state"], runs["s2"]["state"], "resume")
+
+
+def test_save_model_writes_what_the_stock_trainer_writes(runs: dict) -> None:
+    stock, saved = runs["stock"]["saved"], runs["s2"]["saved"]
+    assert saved["files"] == stock["files"], (saved["files"], stock["files"])
+    assert saved["config_dtype"] == stock["config_dtype"] == "float32"
+    state = runs["s2"]["state"]  # the gathered weights: written exactly (the tied head once)
+    assert all(torch.equal(t, state[k]) for k, t in saved["tensors"].items())
+    _assert_close(saved["tensors"], stock["tensors"], "saved weights")
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_lora_through_peft_config_matches_the_stock_trainer(runs: dict, stage: int) -> None:
+    stock, run = runs["lora_stock"], runs[f"lora_s{stage}"]
+    assert len(stock["state"]) == 8  # lora_A and lora_B of q_proj and v_proj in 2 blocks
+    _assert_steps_close(run["steps"], stock["steps"], f"LoRA, stage {stage}", (1, 2, 3, 4))
+    _assert_close(run["state"], stock["state"], f"LoRA, stage {stage}")
+    assert run["saved"]["files"] == stock["saved"]["files"]
+    assert "adapter_model.safetensors" in run["saved"]["files"]
+    _assert_close(run["saved"]["tensors"], stock["saved"]["tensors"], f"saved adapters {stage}")
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_model_loaded_in_bf16_is_trained_and_saved_in_bf16(runs: dict, stage: int) -> None:
+    """``SFTConfig(model_init_kwargs={"dtype": "bfloat16"}, bf16=True)``: bf16 parameters
+    (fp32 master shards), saved in bf16 as the stock trainer saves them; before, shard()
+    cast the model up to fp32 (twice the parameter bytes) and saved fp32."""
+    stock, run = runs["bf16_None"], runs[f"bf16_{stage}"]
+    assert stock["params"] == run["params"] == ["torch.bfloat16"]
+    assert stock["optimizer_tensors"] == ["torch.bfloat16"]  # stock steps them directly
+    assert run["optimizer_tensors"] == ["torch.float32"]  # zerolite: fp32 master shards
+    if stage == 2:  # replicated parameters: the bf16 bytes (plus the flat buffers' padding)
+        assert run["held_params"] <= stock["param_bytes"] + 64, (run["held_params"], stock)
+    saved, expected = run["saved"], stock["saved"]
+    assert saved["files"] == expected["files"]
+    assert saved["config_dtype"] == expected["config_dtype"] == "bfloat16"
+    assert {str(t.dtype) for t in saved["tensors"].values()} == {"torch.bfloat16"}
+    # What is written is the fp32 masters rounded to bf16 (the tied head is written once).
+    masters = run["masters"]
+    assert all(torch.equal(t, masters[k].to(torch.bfloat16)) for k, t in saved["tensors"].items())
+    # The first step's forward and backward are the stock run's (same bf16 weights, the same
+    # autocast); the updates differ by design (fp32 masters against bf16 AdamW steps).
+    assert run["steps"][0][1] == stock["steps"][0][1]
+    assert all(abs(a[1] - b[1]) <= 2e-2 * abs(b[1]) for a, b in zip(run["steps"], stock["steps"]))
+
+
+def test_dpo_is_bitwise_the_stock_dpo_trainer_on_ddp(runs: dict) -> None:
+    """Without accumulation and clipping every reduced gradient is DDP's, so every step is:
+    losses, the logged norms (no clipping: each trainer's own, of the same gradients, equal
+    within their summation's rounding) and the weights, bit for bit."""
+    stock, run = runs["dpo_stock"], runs["dpo_s2"]
+    assert [s[:2] for s in run["steps"]] == [s[:2] for s in stock["steps"]]
+    _assert_steps_close(run["steps"], stock["steps"], "DPO", (1, 2, 3))
+    assert run["state"].keys() == stock["state"].keys()
+    assert all(torch.equal(run["state"][k], v) for k, v in stock["state"].items())
+    assert run["unwrapped"]
+
