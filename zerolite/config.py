@@ -77,7 +77,7 @@ class ZeroConfig:
     ``None`` keeps the model's own dtype: `shard()` takes the one floating dtype that every
     parameter the optimizer trains shares (a model loaded in bf16 trains bf16 parameters
     with fp32 master shards; an fp32 model trains in fp32), and refuses trained parameters
-    of mixed dtypes or float64, naming them (`zerolite.plan.inputs.resolve_param_dtype`).
+    of mixed dtypes or float64, naming them (`zerolite.plan.precision.resolve_param_dtype`).
     After `shard()`, ``sharded.config.param_dtype`` is the dtype chosen. The variable reads
     ``bf16``, ``fp16``, ``fp32``..., or ``none``."""
 
