@@ -146,7 +146,7 @@ def main() -> None:
     bar.close()
     mine = footprint(optimizer.optimizer)
     ddp = formula(
-        n_params, world_size=world, stage=0, param_dtype=accelerator.zero_config.param_dtype
+        n_params, world_size=world, stage=0, param_dtype=optimizer.optimizer.config.param_dtype
     )
     for r in range(world):
         if r == rank:

@@ -24,12 +24,13 @@ NUMERICS = {
     "test_assigned_gradients", "test_bf16", "test_checkpoint", "test_clip_value", "test_clipping",
     "test_combination_matrix",
     "test_compile", "test_edge_parameters", "test_error_feedback", "test_feature_combinations",
-    "test_fp16_loss_scaling", "test_hf_trainer", "test_hybrid", "test_lr_scheduler",
+    "test_fp16_loss_scaling", "test_grad_norm_accuracy", "test_hf_trainer", "test_hybrid",
+    "test_lr_scheduler",
     "test_meta_init", "test_more_optimizers", "test_offload", "test_parity", "test_quantize",
     "test_quantized_collectives", "test_quantized_hybrid", "test_read_after_step",
     "test_same_arithmetic",
     "test_stage3", "test_stage3_hf", "test_stage3_loops", "test_tensor_checkpoint",
-    "test_tensor_ownership", "test_transformers_matrix", "test_unused_parameters",
+    "test_tensor_ownership", "test_transformers_matrix", "test_trl", "test_unused_parameters",
     "test_user_loops",
 }
 

@@ -273,22 +273,42 @@ def _generate_in_eval_callback(out: Path) -> dict[str, Any]:
 
 
 def _bf16(out: Path) -> dict[str, Any]:
-    """``args.bf16`` with the default recipe (the stock Trainer's: fp32 parameters under the
-    Accelerator's autocast) and with zerolite's bf16 parameters asked for explicitly."""
+    """``args.bf16`` with the default recipe (an fp32 model: the stock Trainer's, fp32
+    parameters under the Accelerator's autocast), with zerolite's bf16 parameters asked for
+    explicitly, and with a model converted to bf16 before (its own dtype kept), beside the
+    stock Trainer with that model."""
     import zerolite
 
     return {"default": _bf16_run(out / "default", None),
             "bf16_params": _bf16_run(out / "params",
-                                     zerolite.ZeroConfig(param_dtype=torch.bfloat16))}
+                                     zerolite.ZeroConfig(param_dtype=torch.bfloat16)),
+            "bf16_model": _bf16_run(out / "model", None, torch.bfloat16),
+            "bf16_model_stock": _stock_bf16_model(out / "stock")}
 
 
-def _bf16_run(out: Path, config: Any) -> dict[str, Any]:
+def _stock_bf16_model(out: Path) -> dict[str, Any]:
+    """The stock Trainer with a bf16 model: what it trains and saves."""
+    from transformers import Trainer
+
+    trainer = Trainer(model=make_model().to(torch.bfloat16),
+                      args=make_args(out, max_steps=2, bf16=True), train_dataset=TokenData())
+    trainer.train()
+    trainer.save_model(str(out / "model"))
+    result = {"param_dtypes": sorted({str(p.dtype) for p in trainer.model.parameters()})}
+    if dist.get_rank() == 0:
+        from transformers import AutoModelForCausalLM
+
+        result["saved_dtype"] = str(AutoModelForCausalLM.from_pretrained(out / "model").dtype)
+    return result
+
+
+def _bf16_run(out: Path, config: Any, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
     import zerolite
     from zerolite.hf import ZeroTrainer
 
     trainer = ZeroTrainer(
-        model=make_model(), args=make_args(out, max_steps=2, bf16=True), train_dataset=TokenData(),
-        zero_config=config,
+        model=make_model().to(dtype), args=make_args(out, max_steps=2, bf16=True),
+        train_dataset=TokenData(), zero_config=config,
     )
     computed: set[str] = set()  # what the linear layers output in training
     for module in trainer.model.modules():
@@ -314,7 +334,8 @@ def _bf16_run(out: Path, config: Any) -> dict[str, Any]:
         loaded = AutoModelForCausalLM.from_pretrained(out / "model")
         state = loaded.state_dict()
         result["saved_dtype"] = str(loaded.dtype)
-        result["saved_is_masters"] = all(torch.equal(state[k], v) for k, v in masters.items())
+        result["saved_is_masters"] = all(  # in the dtype written: bf16 rounds them
+            torch.equal(state[k], v.to(loaded.dtype)) for k, v in masters.items())
         result["params_are_masters"] = all(
             torch.equal(params[k].float(), v) for k, v in masters.items())
     return result

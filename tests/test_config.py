@@ -15,10 +15,19 @@ def test_defaults(monkeypatch):
                 "ZEROLITE_BUCKET_SIZE_MB", "ZEROLITE_DEVICE"):
         monkeypatch.delenv(var, raising=False)
     cfg = ZeroConfig()
+    # param_dtype None: the model's own dtype, decided by shard() (tests/test_own_dtype.py).
     assert (cfg.stage, cfg.param_dtype, cfg.reduce_dtype, cfg.bucket_size_mb) == (
-        2, torch.float32, None, 25.0)
+        2, None, None, 25.0)
     assert cfg.process_group is None and cfg.device is None and cfg.elementwise_optimizers == ()
-    assert cfg.bucket_bytes == 25 * 2**20 and cfg.grad_dtype == torch.float32
+    assert cfg.bucket_bytes == 25 * 2**20 and cfg.grad_dtype is None
+    filled = ZeroConfig(param_dtype=None).with_param_dtype(torch.bfloat16)
+    assert filled.param_dtype == filled.grad_dtype == torch.bfloat16
+    assert not filled.is_set("param_dtype")  # the caller left the choice to zerolite
+    assert filled.with_param_dtype(torch.bfloat16) is filled
+    with pytest.raises(ValueError, match="param_dtype is torch.bfloat16 already"):
+        filled.with_param_dtype(torch.float32)
+    with pytest.raises(ValueError, match="ZeroConfig.quantize_gather: not supported"):
+        ZeroConfig(quantize_gather=True).with_param_dtype(torch.float16)  # checked again
 
 
 def test_frozen_and_keyword_only():
@@ -76,16 +85,17 @@ def test_is_set_tells_given_fields_from_defaults(monkeypatch):
     cfg = ZeroConfig(bucket_size_mb=1)
     assert cfg.is_set("bucket_size_mb") and cfg.is_set("stage")  # argument; environment
     assert not cfg.is_set("param_dtype")
-    assert ZeroConfig(param_dtype=torch.float32).is_set("param_dtype")  # explicit default value
-    assert cfg == ZeroConfig(bucket_size_mb=1, param_dtype=torch.float32)  # not part of equality
+    assert ZeroConfig(param_dtype=None).is_set("param_dtype")  # explicit default value
+    assert cfg == ZeroConfig(bucket_size_mb=1, param_dtype=None)  # not part of equality
     with pytest.raises(ValueError, match="'nosuch' is not a ZeroConfig field"):
         cfg.is_set("nosuch")
 
 
 def test_integrations_fill_only_an_unset_param_dtype(monkeypatch):
-    """Accelerate's ``mixed_precision='bf16'`` and a Trainer's ``args.bf16`` keep fp32
-    parameters (the host framework's recipe: its autocast computes in bf16) unless the config
-    (argument or ZEROLITE_PARAM_DTYPE) asks for zerolite's bf16 parameters."""
+    """Accelerate's ``mixed_precision='bf16'`` and a Trainer's ``args.bf16`` leave
+    ``param_dtype`` None, the model's own dtype (an fp32 model: the host framework's recipe,
+    its autocast computes in bf16), unless the config (argument or ZEROLITE_PARAM_DTYPE) asks
+    for zerolite's bf16 parameters."""
     from types import SimpleNamespace
 
     from zerolite.accelerate import zero_config_for
@@ -94,9 +104,9 @@ def test_integrations_fill_only_an_unset_param_dtype(monkeypatch):
     monkeypatch.delenv("ZEROLITE_PARAM_DTYPE", raising=False)
     bf16 = SimpleNamespace(mixed_precision="bf16", device=torch.device("cpu"))
     args = SimpleNamespace(bf16=True, fp16=False, device=torch.device("cpu"))
-    assert zero_config_for(bf16, ZeroConfig(stage=3)).param_dtype == torch.float32
-    assert zero_config_for(bf16, None).param_dtype == torch.float32
-    assert zero_config_for_args(args, None).param_dtype == torch.float32
+    assert zero_config_for(bf16, ZeroConfig(stage=3)).param_dtype is None
+    assert zero_config_for(bf16, None).param_dtype is None
+    assert zero_config_for_args(args, None).param_dtype is None
     explicit = ZeroConfig(stage=3, param_dtype=torch.bfloat16)  # zerolite's 16-bit recipe
     assert zero_config_for(bf16, explicit).param_dtype == torch.bfloat16
     assert zero_config_for_args(args, explicit).param_dtype == torch.bfloat16
@@ -147,7 +157,8 @@ ENV_CASES = {
     "ZEROLITE_SHARD_GROUP_SIZE": ("shard_group_size", "node", "node", 4, "two"),
 }
 # Texts meaning "unset" for the variables whose default is None.
-ENV_NONE = {"ZEROLITE_REDUCE_DTYPE": "none", "ZEROLITE_OFFLOAD": "None",
+ENV_NONE = {"ZEROLITE_PARAM_DTYPE": "none", "ZEROLITE_REDUCE_DTYPE": "none",
+            "ZEROLITE_OFFLOAD": "None",
             "ZEROLITE_OFFLOAD_DIR": "", "ZEROLITE_SHARD_GROUP_SIZE": "none"}
 
 

@@ -171,6 +171,19 @@ def test_bf16_args_keep_fp32_parameters_under_autocast_as_the_stock_trainer(runs
         **common, "param_dtypes": ["torch.bfloat16"], "params_are_masters": False}
 
 
+def test_a_bf16_model_keeps_bf16_parameters_and_saves_bf16_as_the_stock_trainer(runs: dict):
+    """A model converted to bf16 before the Trainer (param_dtype unset): its own dtype, with
+    fp32 master shards; save_model writes bf16 (the masters rounded), as the stock Trainer
+    writes for that model. Before, shard() cast it up to fp32 and saved fp32."""
+    stock, got = runs["bf16"]["bf16_model_stock"], runs["bf16"]["bf16_model"]
+    assert got == {
+        "stage": 2, "param_dtypes": ["torch.bfloat16"], "master_dtypes": ["torch.float32"],
+        "compute_dtypes": ["torch.bfloat16"], "finite": True,
+        "saved_dtype": "torch.bfloat16", "saved_is_masters": True, "params_are_masters": False,
+    }
+    assert stock == {"param_dtypes": got["param_dtypes"], "saved_dtype": got["saved_dtype"]}
+
+
 def test_save_model_then_from_pretrained_gives_the_gathered_parameters(runs: dict) -> None:
     saved = runs["save_model"]
     assert {"model.safetensors", "config.json"} <= set(saved["files"])
@@ -245,8 +258,8 @@ def test_args_bf16_keeps_fp32_params_unless_the_config_sets_bf16(monkeypatch) ->
 
     monkeypatch.delenv("ZEROLITE_PARAM_DTYPE", raising=False)
     args = SimpleNamespace(bf16=True, fp16=False, device=torch.device("cpu"))
-    # The stock Trainer's recipe: fp32 parameters, bf16 autocast.
-    assert zero_config_for_args(args, zerolite.ZeroConfig(stage=3)).param_dtype == torch.float32
+    # The model's own dtype (an fp32 model: the stock Trainer's recipe, bf16 autocast).
+    assert zero_config_for_args(args, zerolite.ZeroConfig(stage=3)).param_dtype is None
     explicit = zerolite.ZeroConfig(stage=3, param_dtype=torch.bfloat16)  # zerolite's recipe
     assert zero_config_for_args(args, explicit).param_dtype == torch.bfloat16
 

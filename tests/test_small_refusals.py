@@ -15,7 +15,8 @@ or the right answer.
 - ``shard()`` of a model whose trained parameters have mixed dtypes (a bf16 layer in an fp32
   model), or are float64, without an explicit ``param_dtype`` (every parameter was cast to
   fp32, silently) is refused on every rank with the model untouched (item 5); with
-  ``param_dtype`` set, the cast is what was asked for and happens.
+  ``param_dtype`` set, the cast is what was asked for and happens; one shared dtype is kept
+  (issue 51).
 """
 
 from __future__ import annotations
@@ -151,8 +152,9 @@ def _dtype_refusals() -> list[str]:
             zerolite.ZeroConfig(param_dtype=torch.float32),
         )
         assert {p.dtype for p in model.parameters()} == {torch.float32}
-    uniform = _model().to(torch.bfloat16)  # one dtype: sharded as before
+    uniform = _model().to(torch.bfloat16)  # one dtype: sharded in it (tests/test_own_dtype.py)
     zerolite.shard(uniform, torch.optim.AdamW(uniform.parameters()))
+    assert {p.dtype for p in uniform.parameters()} == {torch.bfloat16}
     return errors
 
 

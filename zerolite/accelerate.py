@@ -17,8 +17,9 @@ are wrong for sharded state (docs/design.md, "Accelerate"; measured on accelerat
   is replaced crash-safely, as stock Accelerate replaces it; another run's is refused
   (`zerolite.saving.RunFolders`).
 - ``get_state_dict`` and the model's ``save_pretrained`` (called on every rank, as
-  transformers' example scripts do) write the full weights, from the fp32 masters by
-  default (``save_dtype``, `zerolite.saving`).
+  transformers' example scripts do) write the full weights, from the fp32 masters, by
+  default each parameter in the model's own dtype, as the stock run (``save_dtype``,
+  `zerolite.saving`).
 - ``torch.compile`` (Accelerate's dynamo plugin) wraps the model after zerolite has
   sharded it, never before (the wrapper would hide the model from zerolite).
 - ``accumulate()`` enters ``model.no_sync()``: honoured in stage 1 (full gradients are
@@ -26,12 +27,16 @@ are wrong for sharded state (docs/design.md, "Accelerate"; measured on accelerat
   memory saving (as Accelerate does for DeepSpeed ZeRO >= 2).
 - a model built under ``torch.device("meta")`` is not moved by ``prepare()``:
   `zerolite.shard` materialises it on the accelerator's device (`zerolite.params.meta_init`).
-- ``mixed_precision: bf16`` follows Accelerate's own recipe: fp32 parameters (their own
-  fp32 masters) under Accelerate's bf16 autocast, which ``prepare()`` puts on the model's
-  forward at every stage, so the one-line change gives the stock run's numbers. zerolite's
-  16-bit recipe (bf16 parameters, fp32 master shards, still under the autocast) is an
-  explicit choice: ``ZeroConfig(param_dtype=torch.bfloat16)`` or ``ZEROLITE_PARAM_DTYPE=bf16``.
-  ``fp16`` means fp16 parameters with zerolite's loss scaler (CUDA only).
+- parameters keep the model's own dtype (``ZeroConfig.param_dtype=None``,
+  `zerolite.plan.precision`). So ``mixed_precision: bf16`` with an fp32 model follows
+  Accelerate's own recipe: fp32 parameters (their own fp32 masters) under Accelerate's
+  bf16 autocast, which ``prepare()`` puts on the model's forward at every stage, and the
+  one-line change gives the stock run's numbers. A model loaded in bf16 keeps bf16
+  parameters, with fp32 master shards. zerolite's 16-bit recipe for an fp32 model (bf16
+  parameters, fp32 master shards, still under the autocast) is an explicit choice:
+  ``ZeroConfig(param_dtype=torch.bfloat16)`` or ``ZEROLITE_PARAM_DTYPE=bf16``. ``fp16``
+  means fp16 parameters with zerolite's loss scaler (CUDA only). `shard()`'s log line
+  says where the recipe differs from the stock run's.
 """
 
 from __future__ import annotations
@@ -54,8 +59,9 @@ from zerolite.checkpoint.run_folders import RunFolders
 from zerolite.comm import runtime
 from zerolite.config import ZeroConfig
 from zerolite.optim.sharded_optimizer import ShardedOptimizer
+from zerolite.plan.precision import HostPrecision
 from zerolite.saving import StateFolderMethods, check_save_dtype, install_save_pretrained
-from zerolite.zero import announcing_autocast, shard
+from zerolite.zero import announcing_host, shard
 
 __all__ = ["ZeroAccelerator", "setup", "zero_config_for"]
 
@@ -63,11 +69,12 @@ __all__ = ["ZeroAccelerator", "setup", "zero_config_for"]
 def zero_config_for(accelerator: Accelerator, zero_config: ZeroConfig | None) -> ZeroConfig:
     """The `ZeroConfig` to use: ``zero_config`` (default ``ZeroConfig()``, which reads
     ``ZEROLITE_*``). Unless the config sets ``param_dtype`` (an argument or
-    ``ZEROLITE_PARAM_DTYPE``), ``mixed_precision='bf16'`` keeps fp32 parameters (Accelerate's
-    autocast computes in bf16, as in the stock run) and ``'fp16'`` means fp16 parameters with
-    zerolite's loss scaler (CUDA only)."""
+    ``ZEROLITE_PARAM_DTYPE``), parameters keep the model's own dtype: with
+    ``mixed_precision='bf16'`` an fp32 model keeps fp32 parameters (Accelerate's autocast
+    computes in bf16, as in the stock run); ``'fp16'`` means fp16 parameters with zerolite's
+    loss scaler (CUDA only)."""
     config = ZeroConfig() if zero_config is None else zero_config
-    if config.is_set("param_dtype"):
+    if config.param_dtype is not None:
         return config
     if str(accelerator.mixed_precision) == "fp16":
         if not runtime.is_accelerator(accelerator.device):
@@ -75,7 +82,7 @@ def zero_config_for(accelerator: Accelerator, zero_config: ZeroConfig | None) ->
                 "mixed_precision='fp16' needs a CUDA device (zerolite scales the fp16 loss there); "
                 "on CPU use mixed_precision='bf16' or 'no'"
             )
-        return dataclasses.replace(config, param_dtype=torch.float16)
+        return config.with_param_dtype(torch.float16)  # is_set: False, the host chose it
     return config
 
 
@@ -97,17 +104,13 @@ def check_launch(accelerator: Accelerator, cpu_hint: str = _CPU_HINT) -> None:
         )
 
 
-def autocast_note(accelerator: Accelerator, config: ZeroConfig, framework: str) -> str | None:
-    """What `shard()`'s log line adds about the autocast ``framework`` (``"Accelerate"``,
-    ``"Trainer"``) puts around the model: which mixed-precision recipe is active."""
+def host_precision(accelerator: Accelerator, framework: str) -> HostPrecision:
+    """What `shard()`'s log line compares its recipe with: the stock run of ``framework``
+    (``"Accelerate"``, ``"Trainer"``) and the autocast ``accelerator`` puts around the
+    model."""
     precision = str(accelerator.mixed_precision)
-    if precision not in ("bf16", "fp16") or not getattr(accelerator, "native_amp", False):
-        return None
-    recipe = (
-        f"{framework}'s own recipe" if config.param_dtype == torch.float32
-        else "zerolite's 16-bit recipe, ZeroConfig.param_dtype"
-    )
-    return f"under {framework}'s {precision} autocast ({recipe})"
+    autocast = precision in ("bf16", "fp16") and getattr(accelerator, "native_amp", False)
+    return HostPrecision(framework, precision if autocast else None)
 
 
 def _on_meta(model: nn.Module) -> bool:
@@ -191,13 +194,15 @@ class ZeroAccelerator(_ZeroMethods, Accelerator):
 
     Args:
         zero_config: the `ZeroConfig`; by default ``ZeroConfig()`` (``ZEROLITE_STAGE`` and
-            the other ``ZEROLITE_*`` variables). ``mixed_precision='bf16'`` keeps fp32
-            parameters under Accelerate's autocast, as the stock run does, unless the config
-            sets ``param_dtype`` (`zero_config_for`).
+            the other ``ZEROLITE_*`` variables). Parameters keep the model's own dtype (an
+            fp32 model under ``mixed_precision='bf16'`` stays fp32 under Accelerate's
+            autocast, as in the stock run) unless the config sets ``param_dtype``
+            (`zero_config_for`).
         save_dtype: dtype of the full weights that ``get_state_dict`` returns and the
-            model's ``save_pretrained`` writes: ``torch.float32`` (default) saves the fp32
-            masters, as the stock run with fp32 parameters does; ``torch.bfloat16`` or
-            ``torch.float16`` half the bytes.
+            model's ``save_pretrained`` writes, from the fp32 masters: None (default) saves
+            each parameter in the model's own dtype, as the stock run does (fp32 for an
+            fp32 model, bf16 for one loaded in bf16); ``torch.float32`` the masters as they
+            are; ``torch.bfloat16`` or ``torch.float16`` half the bytes of fp32.
         *args: passed to ``Accelerator``.
         **kwargs: passed to ``Accelerator``.
     Raises:
@@ -212,7 +217,7 @@ class ZeroAccelerator(_ZeroMethods, Accelerator):
         self,
         *args: Any,
         zero_config: ZeroConfig | None = None,
-        save_dtype: torch.dtype = torch.float32,
+        save_dtype: torch.dtype | None = None,
         **kwargs: Any,
     ) -> None:
         self.save_dtype = check_save_dtype(save_dtype)
@@ -278,8 +283,7 @@ class ZeroAccelerator(_ZeroMethods, Accelerator):
         if not any(model is m for m in prepared):
             self.prepare_model(model)
             model = self._zero_models[id(model)][0]
-        note = autocast_note(self, self.zero_config, self.zero_framework)
-        with announcing_autocast(note):
+        with announcing_host(host_precision(self, self.zero_framework)):
             sharded = shard(model, optimizer, _materialise_on(self, model, self.zero_config))
         install_save_pretrained(model, self.save_dtype)
         self._zero_sharded.append((model, sharded))
@@ -293,7 +297,7 @@ def setup(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
     zero_config: ZeroConfig | None = None,
-    save_dtype: torch.dtype = torch.float32,
+    save_dtype: torch.dtype | None = None,
 ) -> tuple[nn.Module, AcceleratedOptimizer]:
     """Shard ``model`` and ``optimizer`` for an existing, stock ``Accelerator``.
 
@@ -327,7 +331,7 @@ def setup(
     patched.zero_config = zero_config_for(accelerator, zero_config)
     patched.scaler = None
     patched.save_dtype = save_dtype
-    with announcing_autocast(autocast_note(accelerator, patched.zero_config, "Accelerate")):
+    with announcing_host(host_precision(accelerator, "Accelerate")):
         sharded = shard(model, optimizer, _materialise_on(accelerator, model, patched.zero_config))
     install_save_pretrained(model, save_dtype)
     patched._zero_sharded = [*getattr(patched, "_zero_sharded", []), (model, sharded)]

@@ -32,7 +32,6 @@ from zerolite.config_env import (
     parse_bool,
     parse_choice,
     parse_device,
-    parse_dtype,
     parse_float,
     parse_group_size,
     parse_int,
@@ -72,10 +71,15 @@ class ZeroConfig:
     before use. 0 means plain DDP and is only meaningful to the memory estimator: `shard()`
     rejects it."""
 
-    param_dtype: torch.dtype = setting(torch.float32, "ZEROLITE_PARAM_DTYPE", parse_dtype)
+    param_dtype: torch.dtype | None = setting(None, "ZEROLITE_PARAM_DTYPE", parse_optional_dtype)
     """dtype of the compute copy of every managed parameter. The fp32 master is this rank's
-    shard: with ``torch.float32`` it is the parameter storage itself (no second copy). The
-    variable reads ``bf16``, ``fp16``, ``fp32``..."""
+    shard: with ``torch.float32`` it is the parameter storage itself (no second copy).
+    ``None`` keeps the model's own dtype: `shard()` takes the one floating dtype that every
+    parameter the optimizer trains shares (a model loaded in bf16 trains bf16 parameters
+    with fp32 master shards; an fp32 model trains in fp32), and refuses trained parameters
+    of mixed dtypes or float64, naming them (`zerolite.plan.precision.resolve_param_dtype`).
+    After `shard()`, ``sharded.config.param_dtype`` is the dtype chosen. The variable reads
+    ``bf16``, ``fp16``, ``fp32``..., or ``none``."""
 
     reduce_dtype: torch.dtype | None = setting(
         None, "ZEROLITE_REDUCE_DTYPE", parse_optional_dtype
@@ -276,9 +280,33 @@ class ZeroConfig:
         return self.quantize_gather or self.quantize_reduce
 
     @property
-    def grad_dtype(self) -> torch.dtype:
-        """dtype of reduced gradient shards: ``reduce_dtype``, else ``param_dtype``."""
+    def grad_dtype(self) -> torch.dtype | None:
+        """dtype of reduced gradient shards: ``reduce_dtype``, else ``param_dtype`` (None
+        until `shard()` has chosen the model's own dtype)."""
         return self.reduce_dtype if self.reduce_dtype is not None else self.param_dtype
+
+    def with_param_dtype(self, dtype: torch.dtype) -> ZeroConfig:
+        """This config with its ``param_dtype=None`` filled in as ``dtype`` (checked again
+        with the other fields), every other field as it is. `is_set` then says
+        ``param_dtype`` was not given, since the caller left the choice to zerolite: this is
+        how `shard()` records the model's own dtype and an integration its framework's
+        fp16. A config whose ``param_dtype`` is ``dtype`` already is returned as it is.
+
+        Raises:
+            ValueError: ``param_dtype`` is set to another dtype; ``dtype`` is not allowed,
+                or not with this config's other fields (quantized collectives refuse
+                float16).
+        """
+        if self.param_dtype == dtype:
+            return self
+        if self.param_dtype is not None:
+            raise ValueError(
+                f"ZeroConfig.with_param_dtype({dtype}): param_dtype is {self.param_dtype} "
+                "already; it fills a param_dtype of None (use dataclasses.replace to change it)"
+            )
+        filled = dataclasses.replace(self, param_dtype=dtype)
+        object.__setattr__(filled, "_defaulted", self._defaulted | {"param_dtype"})
+        return filled
 
     @property
     def bucket_bytes(self) -> int:
@@ -342,7 +370,8 @@ _LOW, _HIGH = QUANT_BLOCK_RANGE
 _RULES: tuple[_Rule, ...] = (
     _Rule("stage", lambda v: _int(v) and v in (0, 1, 2, 3),
           "0 (DDP, estimator only), 1 (optimizer state), 2 (+ gradients) and 3 (+ parameters)"),
-    _Rule("param_dtype", lambda v: v in ALLOWED_DTYPES, _DTYPES),
+    _Rule("param_dtype", lambda v: v is None or v in ALLOWED_DTYPES,
+          f"None (the model's own dtype), {_DTYPES}"),
     _Rule("reduce_dtype", lambda v: v is None or v in ALLOWED_DTYPES,
           f"None (= param_dtype), {_DTYPES}"),
     _Rule("bucket_size_mb", lambda v: _number(v) and v > 0,

@@ -17,9 +17,11 @@ Accelerate integration (`zerolite.accelerate.ZeroAccelerator`) plus Trainer's fi
   loss scale. Trainer's own gradient accumulation, LR schedulers, evaluation and
   prediction run unchanged.
 - ``save_model`` gathers the parameters unit by unit to rank 0 and writes them with the
-  model's ``save_pretrained``: ``from_pretrained`` loads the result. With 16-bit parameters
-  it writes the fp32 masters, as the stock Trainer (fp32 parameters under autocast) does,
-  and ``config.json`` says float32 (``save_dtype``, `zerolite.saving`).
+  model's ``save_pretrained``: ``from_pretrained`` loads the result. It writes what the
+  stock Trainer writes for that model (``save_dtype=None``, `zerolite.saving`): each
+  parameter in the dtype it was loaded in, from the fp32 masters, so fp32 for an fp32
+  model also under zerolite's bf16 parameters, bf16 for a model loaded in bf16; and
+  ``config.json`` names the dtype written.
 - ``args.torch_compile``: the model is compiled after zerolite has sharded it
   (`zerolite.accelerate.ZeroAccelerator.prepare_model`).
 - ``checkpoint-N/`` keeps Trainer's files (weights as above, ``trainer_state.json``,
@@ -29,12 +31,15 @@ Accelerate integration (`zerolite.accelerate.ZeroAccelerator`) plus Trainer's fi
   any world size or stage; the data position comes from ``trainer_state.json`` as usual.
   ``ZeroTrainer(..., async_save=True)`` writes ``zerolite/`` in the background
   (``zerolite.checkpoint.save(..., blocking=False)``).
-- ``args.bf16`` follows the stock Trainer's recipe: fp32 parameters (their own fp32
-  masters) under the Accelerator's bf16 autocast, at every stage, so the one-line change
-  gives the stock run's numbers. zerolite's 16-bit recipe (bf16 parameters, fp32 master
-  shards) is an explicit choice: ``ZeroConfig(param_dtype=torch.bfloat16)`` or
-  ``ZEROLITE_PARAM_DTYPE=bf16``. ``args.fp16``: fp16 parameters with zerolite's loss scaler
-  (CUDA only).
+- Parameters keep the model's own dtype (``ZeroConfig.param_dtype=None``,
+  `zerolite.plan.precision`). So ``args.bf16`` with an fp32 model follows the stock
+  Trainer's recipe: fp32 parameters (their own fp32 masters) under the Accelerator's bf16
+  autocast, at every stage, so the one-line change gives the stock run's numbers; a model
+  loaded in bf16 (``SFTConfig(model_init_kwargs={"dtype": "bfloat16"})``) keeps bf16
+  parameters, with fp32 master shards. zerolite's 16-bit recipe for an fp32 model (bf16
+  parameters, fp32 master shards) is an explicit choice:
+  ``ZeroConfig(param_dtype=torch.bfloat16)`` or ``ZEROLITE_PARAM_DTYPE=bf16``.
+  ``args.fp16``: fp16 parameters with zerolite's loss scaler (CUDA only).
 
 Trainer methods overridden: public ``create_accelerator_and_postprocess``, ``save_model``;
 private (no public hook exists; checked against transformers 5.24)
@@ -45,7 +50,6 @@ private (no public hook exists; checked against transformers 5.24)
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 from pathlib import Path
@@ -100,10 +104,11 @@ def zero_config_for_args(args: Any, zero_config: ZeroConfig | None) -> ZeroConfi
 
     ``zero_config=None`` means ``ZeroConfig()`` (stage 2, ``ZEROLITE_*`` variables).
     Unless the config sets ``param_dtype`` (an argument or ``ZEROLITE_PARAM_DTYPE``),
-    ``args.bf16`` keeps fp32 parameters under the Accelerator's bf16 autocast (the stock
-    Trainer's recipe) and ``args.fp16`` means fp16 parameters with zerolite's loss scaler.
-    An explicit bfloat16 with ``args.bf16`` is zerolite's 16-bit recipe (bf16 parameters,
-    fp32 master shards, under the same autocast).
+    parameters keep the model's own dtype (``args.bf16`` with an fp32 model: fp32 parameters
+    under the Accelerator's bf16 autocast, the stock Trainer's recipe) and ``args.fp16``
+    means fp16 parameters with zerolite's loss scaler. An explicit bfloat16 with
+    ``args.bf16`` is zerolite's 16-bit recipe (bf16 parameters, fp32 master shards, under
+    the same autocast).
 
     Raises:
         ValueError: the config contradicts ``args`` (float16 parameters with ``args.bf16``,
@@ -114,14 +119,14 @@ def zero_config_for_args(args: Any, zero_config: ZeroConfig | None) -> ZeroConfi
             f"args.fp16=True needs a CUDA device (zerolite's loss scaler runs there), but the "
             f"device is {args.device}; use args.bf16=True or ZeroConfig(param_dtype=torch.bfloat16)"
         )
-    wanted = torch.float16 if args.fp16 else None  # args.bf16: fp32 under autocast
+    wanted = torch.float16 if args.fp16 else None  # args.bf16: the model's dtype, autocast
     if zero_config is not None and not isinstance(zero_config, ZeroConfig):
         raise TypeError(
             f"zero_config must be a zerolite.ZeroConfig or None, got {type(zero_config).__name__}"
         )
     config = ZeroConfig() if zero_config is None else zero_config
-    if wanted is not None and not config.is_set("param_dtype"):
-        config = dataclasses.replace(config, param_dtype=wanted)
+    if wanted is not None and config.param_dtype is None:
+        config = config.with_param_dtype(wanted)  # is_set: False, args chose it
     if config.stage == 0:  # also reachable through ZEROLITE_STAGE=0
         raise ValueError(
             "ZeroConfig.stage=0 is plain DDP: use transformers.Trainer, or stage 1, 2 or 3"
@@ -173,7 +178,7 @@ def _follow_trainer_log_level(args: Any) -> None:
 
 
 def _adopt(
-    accelerator: Accelerator, config: ZeroConfig, save_dtype: torch.dtype
+    accelerator: Accelerator, config: ZeroConfig, save_dtype: torch.dtype | None
 ) -> ZeroAccelerator:
     """Turn the Accelerator that Trainer built into a `ZeroAccelerator`, in place.
 
@@ -216,15 +221,18 @@ class ZeroTrainerMixin:
 
     Args:
         zero_config: the `ZeroConfig`; ``None`` means stage 2 (or ``ZEROLITE_STAGE``);
-            ``args.bf16`` keeps fp32 parameters under autocast, as the stock Trainer does,
-            unless the config sets ``param_dtype`` (`zero_config_for_args`).
+            parameters keep the model's own dtype (``args.bf16`` with an fp32 model: fp32
+            parameters under autocast, as the stock Trainer), unless the config sets
+            ``param_dtype`` (`zero_config_for_args`).
         async_save: write ``checkpoint-N/zerolite/`` in the background
             (``zerolite.checkpoint.save(..., blocking=False)``): training resumes once each
             rank's shard is copied into its staging area; the next checkpoint (or the end of
             the process) waits for it. Trainer's other files are written as usual.
         save_dtype: dtype of the weights ``save_model`` writes (and so each
-            ``checkpoint-N/``'s): ``torch.float32`` (default) writes the fp32 masters, as
-            the stock Trainer does under ``args.bf16``; ``torch.bfloat16`` half the bytes.
+            ``checkpoint-N/``'s), from the fp32 masters: None (default) each parameter in
+            the dtype it was loaded in, as the stock Trainer (fp32 for an fp32 model under
+            ``args.bf16``, bf16 for a model loaded in bf16); ``torch.float32`` the masters
+            as they are; ``torch.bfloat16`` half the bytes of fp32.
         *args: the Trainer's own arguments, unchanged.
         **kwargs: the Trainer's own keyword arguments, unchanged.
     Raises:
@@ -235,7 +243,8 @@ class ZeroTrainerMixin:
             ``zero_config`` that contradicts ``args``; ``async_save`` with
             ``args.save_total_limit=1`` (Trainer deletes the previous checkpoint right
             after starting the next, so a crash during the background write would leave
-            no complete one); a ``save_dtype`` other than float32, bfloat16 or float16.
+            no complete one); a ``save_dtype`` other than None, float32, bfloat16 or
+            float16.
         TypeError: the optimizer (``args.optim``, ``optimizers=`` or
             ``optimizer_cls_and_kwargs``) is not elementwise, so it cannot step shards.
     """
@@ -251,7 +260,7 @@ class ZeroTrainerMixin:
 
     def __init__(
         self, *args: Any, zero_config: ZeroConfig | None = None, async_save: bool = False,
-        save_dtype: torch.dtype = torch.float32, **kwargs: Any,
+        save_dtype: torch.dtype | None = None, **kwargs: Any,
     ) -> None:
         if not isinstance(async_save, bool):
             raise TypeError(f"async_save must be a bool, got {async_save!r}")

@@ -5,13 +5,16 @@ file grows a second subject (neither imports transformers):
 
 - **Full weights** (`weights_for_saving`, `install_save_pretrained`). A script saves the
   weights it trained with ``model.save_pretrained(dir, is_main_process=...)`` on every
-  rank, ``accelerator.get_state_dict(model)`` or Trainer's ``save_model``. The stock run
-  under ``mixed_precision: bf16`` (or ``--bf16``) keeps fp32 parameters and saves fp32;
-  zerolite's 16-bit parameters are only the compute copy, and the fp32 masters hold the
-  trained values. So by default the integrations save the masters (``save_dtype=
-  torch.float32``, `zerolite.full_state_dict(..., masters=True)`), and ``config.json``'s
-  ``dtype`` names what was written, so that ``from_pretrained`` loads the stock run's
-  dtype. ``save_dtype=torch.bfloat16`` writes half the bytes instead.
+  rank, ``accelerator.get_state_dict(model)`` or Trainer's ``save_model``. A stock run
+  never changes a parameter's dtype, so it saves each parameter in the dtype the model was
+  loaded in: fp32 for an fp32 model under ``mixed_precision: bf16`` (or ``--bf16``), bf16
+  for a model loaded in bf16. zerolite's 16-bit parameters are only the compute copy, and
+  the fp32 masters hold the trained values. So by default (``save_dtype=None``) the
+  integrations save the masters (`zerolite.full_state_dict(..., masters=True)`) cast to
+  each parameter's dtype before `zerolite.shard` (``ShardState.source_dtypes``): what the
+  stock run saves for that model. ``config.json``'s ``dtype`` names what was written, so
+  that ``from_pretrained`` loads the stock run's dtype. A ``save_dtype`` casts every
+  parameter to it instead (``torch.bfloat16``: half the bytes of fp32).
 - **save_state folders** (`StateFolderMethods`): Accelerate's ``save_state`` /
   ``load_state`` replaced by sharded `zerolite.checkpoint` saves per model, with
   Accelerate's own files (dataloaders, RNG, registered objects) beside them. A folder this
@@ -57,33 +60,38 @@ __all__ = [
 ]
 
 
-def check_save_dtype(save_dtype: object) -> torch.dtype:
-    """``save_dtype`` if it is a floating dtype zerolite trains in, else a ValueError."""
-    if save_dtype not in ALLOWED_DTYPES:
+def check_save_dtype(save_dtype: object) -> torch.dtype | None:
+    """``save_dtype`` if it is None or a floating dtype zerolite trains in, else a
+    ValueError."""
+    if save_dtype is not None and save_dtype not in ALLOWED_DTYPES:
         raise ValueError(
-            f"save_dtype must be one of torch.float32 (the fp32 masters: what an unsharded run "
-            f"saves), torch.bfloat16 or torch.float16; got {save_dtype!r}"
+            f"save_dtype must be None (each parameter in the model's own dtype: what a stock "
+            f"run saves), torch.float32 (the fp32 masters), torch.bfloat16 or torch.float16; "
+            f"got {save_dtype!r}"
         )
     return save_dtype  # type: ignore[return-value]
 
 
 def weights_for_saving(
-    model: nn.Module, save_dtype: torch.dtype, *, keep: bool
+    model: nn.Module, save_dtype: torch.dtype | None, *, keep: bool
 ) -> dict[str, torch.Tensor]:
     """The model's full weights on the CPU, parameters in ``save_dtype`` (every rank calls).
 
     Parameters come from the fp32 masters when the compute copy is 16-bit (an exact
-    all-gather of the master shards), cast to ``save_dtype``; buffers keep their dtype.
+    all-gather of the master shards), cast to ``save_dtype``, or with None to the dtype
+    each had before `zerolite.shard` (what a stock run saves); buffers keep their dtype.
     Only a rank with ``keep`` holds the result; the others get ``{}`` after taking part.
     """
     state = state_of(model)
     masters = state is not None and state.config.param_dtype != torch.float32
+    source = {} if state is None else state.source_dtypes
     params = {n for n, _ in model.named_parameters(remove_duplicate=False)}
     out: dict[str, torch.Tensor] = {}
     for name, tensor in iter_full_state_dict(model, to_cpu=True, masters=masters):
         if keep:
             cast = name in params and tensor.is_floating_point()
-            out[name] = tensor.to(save_dtype) if cast else tensor
+            dtype = save_dtype if save_dtype is not None else source.get(name, tensor.dtype)
+            out[name] = tensor.to(dtype) if cast else tensor
     return out
 
 
@@ -95,7 +103,7 @@ class SavePretrained:
     ``is_main_process=``), and afterwards makes ``config.json`` name the dtype written.
     """
 
-    def __init__(self, model: nn.Module, method: Any, save_dtype: torch.dtype) -> None:
+    def __init__(self, model: nn.Module, method: Any, save_dtype: torch.dtype | None) -> None:
         self._model = weakref.ref(model)  # the model holds this object in its __dict__
         self._method = method
         self.save_dtype = save_dtype
@@ -117,7 +125,7 @@ class SavePretrained:
         return result
 
 
-def install_save_pretrained(model: nn.Module, save_dtype: torch.dtype) -> None:
+def install_save_pretrained(model: nn.Module, save_dtype: torch.dtype | None) -> None:
     """Give ``model`` (if its class has a transformers-style ``save_pretrained`` taking
     ``state_dict`` and ``is_main_process``) the `SavePretrained` attribute."""
     method = getattr(type(model), "save_pretrained", None)
@@ -159,13 +167,13 @@ class StateFolderMethods:
     """`zerolite.accelerate.ZeroAccelerator`'s ``get_state_dict``, ``save_state`` and
     ``load_state`` (also patched onto a stock Accelerator by `zerolite.accelerate.setup`)."""
 
-    save_dtype: torch.dtype  # of the full weights: get_state_dict, save_pretrained
+    save_dtype: torch.dtype | None  # of the full weights (None: each parameter's own dtype)
     _zero_runs: RunFolders  # which save_state folders this run may replace
 
     def get_state_dict(self: Any, model: nn.Module, unwrap: bool = True) -> dict[str, torch.Tensor]:
         """Full (gathered, for stage 3) weights on every rank, on the CPU; parameters from
-        the fp32 masters in ``self.save_dtype`` (`zerolite.saving.weights_for_saving`).
-        Every rank must call."""
+        the fp32 masters in ``self.save_dtype`` (None: each in the model's own dtype, as
+        the stock run; `zerolite.saving.weights_for_saving`). Every rank must call."""
         model = getattr(model, "_orig_mod", model)  # a torch.compile wrapper: its module
         return weights_for_saving(model, self.save_dtype, keep=True)
 

@@ -57,6 +57,7 @@ from zerolite.params.meta_init import MetaBuild, check_before_first_forward, mat
 from zerolite.params.unit_scheduler import UnitScheduler
 from zerolite.plan.offload import OffloadLayout, plan_offload
 from zerolite.plan.owners import assign_owners
+from zerolite.plan.precision import HostPrecision, describe_precision
 from zerolite.plan.quantization import buffer_wires, describe_quantization, skipped_parameters
 from zerolite.plan.shard_plan import ShardPlan, plan_layout
 from zerolite.plan.stages import STAGES
@@ -70,23 +71,23 @@ __all__ = ["shard"]
 
 logger = logging.getLogger(__name__)
 
-# How the model computes around zerolite's parameters, for `shard()`'s log line: set by the
-# Accelerate and Trainer integrations, whose autocast `shard()` cannot see (it wraps the
-# model's forward, outside zerolite).
-_AUTOCAST_NOTE: contextvars.ContextVar[str | None] = contextvars.ContextVar(
-    "zerolite_autocast_note", default=None
+# Which framework's loop the model trains in, and its autocast, for `shard()`'s log line: set
+# by the Accelerate and Trainer integrations, whose autocast `shard()` cannot see (it wraps
+# the model's forward, outside zerolite).
+_HOST: contextvars.ContextVar[HostPrecision | None] = contextvars.ContextVar(
+    "zerolite_host_precision", default=None
 )
 
 
 @contextlib.contextmanager
-def announcing_autocast(note: str | None) -> Iterator[None]:
-    """Inside, `shard()`'s log line says the model computes ``note`` (e.g. "under
-    Accelerate's bf16 autocast"); ``None`` says nothing more."""
-    token = _AUTOCAST_NOTE.set(note)
+def announcing_host(host: HostPrecision | None) -> Iterator[None]:
+    """Inside, `shard()`'s log line compares its recipe with the stock run of ``host``'s
+    framework (`zerolite.plan.precision.describe_precision`); None: a plain loop."""
+    token = _HOST.set(host)
     try:
         yield
     finally:
-        _AUTOCAST_NOTE.reset(token)
+        _HOST.reset(token)
 
 
 def shard(
@@ -97,7 +98,8 @@ def shard(
     """Shard ``optimizer``'s state (and, in stage 2, gradients) across data-parallel ranks.
 
     ``model`` is changed in place: each parameter the optimizer holds becomes a view of
-    a flat buffer (same ``nn.Parameter`` object, dtype ``config.param_dtype``), gets a
+    a flat buffer (same ``nn.Parameter`` object, dtype ``config.param_dtype``: by default
+    the model's own, [Note: the model's own dtype] in `zerolite.plan.precision`), gets a
     gradient hook, and ``model.no_sync()`` appears. ``optimizer`` is kept: its
     ``param_groups`` (the same dicts) now hold this rank's fp32 master pieces.
 
@@ -135,14 +137,19 @@ def shard(
         opt = zerolite.shard(model, opt, zerolite.ZeroConfig(stage=2))
         loss = model(x).sum(); loss.backward(); opt.step(); opt.zero_grad()
     """
-    config = ZeroConfig() if config is None else config
-    world = _world(model, optimizer, config)
-    optimizer, plan, k, lines = _agree_on_plan(model, optimizer, config, world)
+    requested = ZeroConfig() if config is None else config
+    world = _world(model, optimizer, requested)
+    optimizer, plan, k, lines, config = _agree_on_plan(model, optimizer, requested, world)
     group = sharding_group(world, k, config)
     offload, arena = _agree_on_offload(plan, optimizer, config, group)
     digest = hashlib.sha256("\n".join(lines).encode()).hexdigest()
+    # Before anything is cast: what a stock run keeps, and saves (`zerolite.saving`).
+    source_dtypes = {n: p.dtype for n, p in model.named_parameters(remove_duplicate=False)}
     with phase_events.phase("build", world.buffer_device):
-        sharded = _build(model, optimizer, config, group, plan, digest, (offload, arena))
+        sharded = _build(model, optimizer, config, group, plan, digest, (offload, arena),
+                         source_dtypes)
+    if group.world.rank == 0:
+        _announce(sharded, plan, requested, source_dtypes)
     phase_events.built(sharded)
     return sharded
 
@@ -182,11 +189,11 @@ def _agree_on_plan(
     optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer],
     config: ZeroConfig,
     world: Group,
-) -> tuple[torch.optim.Optimizer, ShardPlan, int | None, list[str]]:
+) -> tuple[torch.optim.Optimizer, ShardPlan, int | None, list[str], ZeroConfig]:
     """Validate and plan on every rank, then agree: raises on every rank if any rank failed
     or ranks describe different plans. Returns the optimizer (several as one
-    `MultiOptimizer`), the plan, the shard group size (None: every rank) and the lines
-    agreed on."""
+    `MultiOptimizer`), the plan, the shard group size (None: every rank), the lines
+    agreed on and the config with ``param_dtype`` decided (`ShardPlan.param_dtype`)."""
     plan: ShardPlan | None = None
     k: int | None = None
     with agreed("zerolite.shard()", world) as lines:
@@ -196,10 +203,11 @@ def _agree_on_plan(
         lines.append(f"shard_group_size: {k or world.size} of {world.size} ranks")
         check_not_sharded(model, optimizer)
         plan = plan_layout(model, inner_optimizers(optimizer), config, device=world.buffer_device)
+        config = config.with_param_dtype(plan.param_dtype)  # re-checks the fields together
         lines += plan.describe(config, model, class_name(optimizer), optimizer.param_groups)
         lines += describe_quantization(config, model)
     # (Reached only when every rank planned: `agreed` raised otherwise.)
-    return cast(torch.optim.Optimizer, optimizer), cast(ShardPlan, plan), k, lines
+    return cast(torch.optim.Optimizer, optimizer), cast(ShardPlan, plan), k, lines, config
 
 
 def _agree_on_offload(
@@ -225,6 +233,7 @@ def _build(
     plan: ShardPlan,
     layout_digest: str,
     reserved: tuple[OffloadLayout | None, DiskArena | HostArena | None],
+    source_dtypes: dict[str, torch.dtype],
 ) -> ShardedOptimizer:
     """Every rank agreed: build, one step per concern (the module docstring)."""
     offload, arena = reserved
@@ -244,27 +253,38 @@ def _build(
         model, group=group, config=config, inner=optimizer, flats=flats, masters=masters,
         frozen_flats=frozen_flats, reducer=reducer, grads=grads, scheduler=scheduler,
         layout_digest=layout_digest, meta_build=meta_build, offload=tier,
+        source_dtypes=source_dtypes,
     )
     sharded = ShardedOptimizer(optimizer, state)
     register(model, state, sharded)
-    if group.world.rank == 0 and logger.isEnabledFor(logging.INFO):
-        logger.info(_announcement(sharded, plan.partition))
     return sharded
 
 
-def _announcement(sharded: ShardedOptimizer, partition: str) -> str:
-    """The one line `shard()` logs on rank 0 (at INFO): that zerolite is on, how, and what
-    this rank holds now (`zerolite.memory.footprint`; the optimizer's moments appear at its
-    first step)."""
+def _announce(
+    sharded: ShardedOptimizer, plan: ShardPlan, requested: ZeroConfig,
+    source_dtypes: dict[str, torch.dtype],
+) -> None:
+    """Log `shard()`'s one line (rank 0): at INFO, or at WARNING where the recipe differs
+    from the stock run's in a way the user did not ask for (`describe_precision`)."""
+    trained = {n: source_dtypes[n] for params in plan.flat_params for n, _ in params}
+    dtype = sharded.config.param_dtype
+    cast_frozen = {
+        n: source_dtypes[n] for params in plan.frozen_flat_params for n, _ in params
+        if source_dtypes[n] != dtype
+    }
+    precision, level = describe_precision(requested, dtype, trained, cast_frozen, _HOST.get())
+    if logger.isEnabledFor(level):
+        logger.log(level, _announcement(sharded, plan.partition, precision))
+
+
+def _announcement(sharded: ShardedOptimizer, partition: str, precision: str) -> str:
+    """The one line `shard()` logs on rank 0: that zerolite is on, how (``precision``), and
+    what this rank holds now (`zerolite.memory.footprint`; the optimizer's moments appear at
+    its first step)."""
     # Here, not at the top: `import zerolite` stays light (zerolite.memory loads on first use).
     from zerolite.memory.footprint import footprint
 
     config, group, flats = sharded.config, sharded.group, sharded.flats
-    dtype = str(config.param_dtype).removeprefix("torch.")
-    precision = "fp32" if dtype == "float32" else f"{dtype} parameters with fp32 masters"
-    note = _AUTOCAST_NOTE.get()
-    if note is not None:  # fp32 parameters are their own masters
-        precision = f"{'fp32 parameters' if dtype == 'float32' else precision} {note}"
     held = footprint(sharded)
     mib = 2.0**20
     return (

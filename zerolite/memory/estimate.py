@@ -177,6 +177,8 @@ def estimate(
         world_size: N.
         config: the `ZeroConfig` (``stage=0`` means DDP, count only); None is ``ZeroConfig()``.
             Its ``shard_group_size`` k (hybrid sharding) shards states over k of the N ranks.
+            ``param_dtype=None`` counts the model's own dtype, as `shard()` takes it (fp32
+            for a parameter count).
         optimizer: the optimizer instance `shard()` will receive (built on this model; a
             ``zerolite.optim.multi.MultiOptimizer`` of several), or one of ``"adamw"``,
             ``"adam"``, ``"sgd"``, ``"sgd_momentum"``, ``"adagrad"``,
@@ -193,8 +195,10 @@ def estimate(
     # Hybrid sharding: every layout below is over the k ranks of a shard group.
     shards = shard_group_size(config, world_size) or world_size
     if not isinstance(model_or_count, nn.Module):
+        # A count has no dtype of its own: param_dtype=None (the model's) counts fp32.
+        dtype = torch.float32 if config.param_dtype is None else config.param_dtype
         return formula(_count(model_or_count), world_size=world_size, stage=config.stage,
-                       param_dtype=config.param_dtype, reduce_dtype=config.reduce_dtype,
+                       param_dtype=dtype, reduce_dtype=config.reduce_dtype,
                        optimizer=_formula_name(optimizer), offload=config.offload,
                        offload_fraction=config.offload_fraction,
                        quantize_gather=config.quantize_gather,
@@ -209,6 +213,7 @@ def estimate(
         opt = optimizer
     check_not_sharded(model, opt)
     plan = plan_layout(model, inner_optimizers(opt), config)
+    config = config.with_param_dtype(plan.param_dtype)  # fills None: the model's own dtype
     if plan.partition == "tensor":
         plan = assign_owners(plan, shards)
     root_last = STAGES[config.stage].shards_parameters  # the last buffer is the root unit's

@@ -227,7 +227,7 @@ def formula(
         A `MemoryBreakdown` with ``transient = 0``. Example: 7.5e9 parameters, N=64,
         bf16, stages 0-3 give 120, 31.4, 16.6 and 1.88 GB of model states.
     """
-    k = _check_formula(world_size, stage, optimizer, shard_group_size)
+    k = _check_formula(world_size, stage, optimizer, shard_group_size, param_dtype)
     policy = STAGES[stage]
     psi = Fraction(num_params)
 
@@ -259,9 +259,16 @@ def formula(
 
 
 def _check_formula(
-    world_size: int, stage: int, optimizer: str, shard_group_size: int | None
+    world_size: int, stage: int, optimizer: str, shard_group_size: int | None,
+    param_dtype: object,
 ) -> int:
     """`formula`'s arguments, checked; returns k (the ranks that shard)."""
+    if not isinstance(param_dtype, torch.dtype):
+        raise TypeError(
+            f"formula(): param_dtype must be a torch.dtype, got {param_dtype!r} (a count has "
+            "no dtype of its own: ZeroConfig's None means the model's, so pass the model's "
+            "dtype, or a sharded optimizer's opt.config.param_dtype)"
+        )
     if stage not in tuple(STAGES):
         raise ValueError(f"stage must be 0 (DDP), 1, 2 or 3, got {stage!r}")
     if world_size < 1:

@@ -114,6 +114,8 @@ def predict_peak(
         _name_survivors(ledger, opt)
         tier = opt.shard_state.offload
         offloaded = 0 if tier is None else tier.arena_bytes
+    if config.param_dtype is None:  # the model's own, as the simulated shard() chose it
+        config = config.with_param_dtype(opt.config.param_dtype)
     return _prediction(ledger, config, sent, offloaded, world_size, rank, micro_batch,
                        accumulation, activation_checkpointing, device,
                        time.perf_counter() - started)

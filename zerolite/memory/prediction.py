@@ -35,7 +35,7 @@ class PeakPrediction:
             micro-steps), as its exchanges send them (ring or point-to-point).
         offloaded: bytes on the offload tier (disk or host), outside ``peak`` for a disk
             tier; the streamed step reads and writes them once per step.
-        config: the `ZeroConfig` simulated (as given).
+        config: the `ZeroConfig` simulated (as given; ``param_dtype`` as `shard()` chose it).
         world_size: N.
         rank: the rank simulated.
         micro_batch: samples per forward.

@@ -15,14 +15,12 @@ import torch
 from torch import nn
 
 from zerolite.config import ZeroConfig
-from zerolite.config_env import ALLOWED_DTYPES
 
 __all__ = [
     "check_meta_build",
     "check_model",
     "check_nothing_on_meta",
     "check_one_device",
-    "check_param_dtypes",
     "refuse_sparse_gradients",
     "trained_parameters",
 ]
@@ -101,41 +99,6 @@ def check_one_device(managed: Sequence[tuple[str, nn.Parameter]]) -> torch.devic
             "before shard()"
         )
     return devices.pop()
-
-
-def check_param_dtypes(managed: Sequence[tuple[str, nn.Parameter]], config: ZeroConfig) -> None:
-    """Refuse trained parameters that `shard()` would cast without being asked to.
-
-    The flat buffers have one dtype, ``config.param_dtype``. When the user set it
-    (argument, ``ZEROLITE_PARAM_DTYPE`` or an integration's mixed precision), casting is
-    what was asked for. Otherwise a mixed-dtype model (a bf16 layer in an fp32 model) would
-    silently change its arithmetic, and a float64 model would become fp32 and fail in its
-    first forward: both are refused. (One flat buffer per dtype is not offered yet.)
-
-    Raises:
-        ValueError: naming one parameter of each dtype and the two ways out.
-    """
-    if config.is_set("param_dtype"):
-        return
-    first: dict[torch.dtype, str] = {}
-    for name, p in managed:
-        first.setdefault(p.dtype, name)
-    listed = ", ".join(f"{name!r} is {dtype}" for dtype, name in first.items())
-    if len(first) > 1:
-        raise ValueError(
-            f"the optimizer's parameters have mixed dtypes ({listed}); zerolite keeps one "
-            "dtype for all of them (ZeroConfig.param_dtype) and would cast every one to "
-            f"{config.param_dtype}. Set ZeroConfig(param_dtype=...) to choose it (the masters "
-            "stay fp32), or convert the model to one dtype before shard()"
-        )
-    dtype = next(iter(first))
-    if dtype not in ALLOWED_DTYPES:
-        raise ValueError(
-            f"the optimizer's parameters are {dtype} ({listed}); zerolite shards float32, "
-            f"bfloat16 or float16 parameters and would cast them to {config.param_dtype}, "
-            "which the model's forward may not expect. Convert the model (model.float()) "
-            "or set ZeroConfig(param_dtype=...) explicitly before shard()"
-        )
 
 
 def check_meta_build(

@@ -25,12 +25,12 @@ from zerolite.plan.inputs import (
     check_model,
     check_nothing_on_meta,
     check_one_device,
-    check_param_dtypes,
     refuse_sparse_gradients,
     trained_parameters,
 )
 from zerolite.plan.layout import FlatLayout, size_partition
 from zerolite.plan.optimizers import check_optimizer, check_tensor_optimizer, resolve_partition
+from zerolite.plan.precision import resolve_param_dtype
 from zerolite.plan.stages import STAGES
 from zerolite.plan.units import Unit, find_units
 
@@ -55,6 +55,8 @@ class ShardPlan:
             owners, `zerolite.plan.owners`).
         owners: ``"tensor"``, once `zerolite.plan.owners.assign_owners` ran: per trained
             buffer, its parameters' owner ranks.
+        param_dtype: the flat buffers' dtype: ``config.param_dtype``, or the model's own
+            when that is None (`zerolite.plan.inputs.resolve_param_dtype`).
     """
 
     device: torch.device
@@ -66,6 +68,7 @@ class ShardPlan:
     on_meta: bool = False
     partition: str = "flat"
     owners: list[tuple[int, ...]] | None = None
+    param_dtype: torch.dtype = torch.float32
 
     @property
     def all_flat_params(self) -> list[Params]:
@@ -100,7 +103,7 @@ class ShardPlan:
         (``optimizer_name``, ``param_groups``) and its groups, every parameter (sharded or
         not) and every buffer, the flat buffers, the units."""
         lines = [
-            f"config: stage={config.stage} param_dtype={config.param_dtype} "
+            f"config: stage={config.stage} param_dtype={self.param_dtype} "
             f"reduce_dtype={config.reduce_dtype} bucket_size_mb={config.bucket_size_mb} "
             f"partition={self.partition}",
             f"optimizer: {optimizer_name} with {len(param_groups)} groups",
@@ -178,7 +181,7 @@ def plan_layout(
         )
     refuse_sparse_gradients(model, group_of)
     source = check_one_device(managed)
-    check_param_dtypes(managed, config)
+    param_dtype = resolve_param_dtype(managed, config)
     on_meta = source.type == "meta"
     if on_meta:
         check_meta_build(model, optimizers, config)
@@ -192,7 +195,7 @@ def plan_layout(
         )
     plan = ShardPlan(
         device=device, flat_params=[], group_of=group_of, frozen=frozen, on_meta=on_meta,
-        partition=partition,
+        partition=partition, param_dtype=param_dtype,
     )
     if STAGES[config.stage].shards_parameters:
         return _unit_buffers(plan, model, managed, source, config)
@@ -219,7 +222,7 @@ def _check_optimizers(
 def _gradient_order_buffers(plan: ShardPlan, managed: Params, config: ZeroConfig) -> ShardPlan:
     """Stages 1-2: buffers of about ``bucket_size_mb``, in reverse registration order
     (roughly the order in which backward yields gradients)."""
-    itemsize = torch.empty(0, dtype=config.param_dtype).element_size()
+    itemsize = torch.empty(0, dtype=plan.param_dtype).element_size()
     ordered = list(reversed(managed))
     runs = size_partition([p.numel() * itemsize for _, p in ordered], config.bucket_bytes)
     return dataclasses.replace(plan, flat_params=[[ordered[i] for i in run] for run in runs])

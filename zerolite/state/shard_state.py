@@ -52,6 +52,8 @@ class ShardState:
         layout_digest: sha256 of what every rank agreed on at `shard()`.
         meta_build: a meta build's `MetaBuild` until its first forward passes, else None.
         offload: the `OffloadTier` (``config.offload`` set), else None.
+        source_dtypes: every parameter's dtype when `shard()` took the model, by each of
+            its names (tied parameters under each): what a stock run keeps, and saves.
     """
 
     def __init__(
@@ -70,6 +72,7 @@ class ShardState:
         layout_digest: str,
         meta_build: MetaBuild | None,
         offload: OffloadTier | None,
+        source_dtypes: dict[str, torch.dtype],
     ) -> None:
         self.group = group
         self.config = config
@@ -81,6 +84,7 @@ class ShardState:
         self.grads = grads
         self.layout_digest = layout_digest
         self.offload = offload
+        self.source_dtypes = source_dtypes
         self._meta_build = meta_build
         # Weak: see the module docstring (the model's hooks keep the scheduler alive).
         self._model = weakref.ref(model)
