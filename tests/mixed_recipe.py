@@ -20,7 +20,7 @@ Against it the tests report the errors and bound them, as the parity rule does f
 (docs/design.md, "How results are checked"), by the recipe's own data-parallel noise:
 <= max(2 x (sliced vs whole), 1e-2).
 References run single-threaded (`single_thread`), as the ranks do (`run_ranks` sets one
-thread): a different thread count changes matmul rounding, which 10 steps amplify as above.
+thread): a different thread count changes matmul rounding, which a few steps amplify as above.
 """
 
 from __future__ import annotations

@@ -42,7 +42,7 @@ from examples.gpt import GPT, GPTConfig, param_groups, random_batch
 
 TINY = GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=2, d_model=32)
 GLOBAL_BATCH = 12  # divisible by 1, 2, 3 and 4
-STEPS = 10
+STEPS = 6  # enough for a wrong state, step count or scale to show in every tensor
 
 OPTIMIZERS: dict[str, Callable[[list[dict]], torch.optim.Optimizer]] = {
     "AdamW": lambda groups: torch.optim.AdamW(groups, lr=1e-2, betas=(0.9, 0.95)),

@@ -2,7 +2,7 @@
 
 README lists them with Adam, AdamW, SGD and Adagrad as exact on flat shards; the parity
 suite (`tests/test_parity.py`) trains only those four. Here each of the other four trains
-the tiny GPT for 10 steps (two param groups with different hyperparameters) at stages 1-3
+the tiny GPT for 6 steps (two param groups with different hyperparameters) at stages 1-3
 on 2 and 4 gloo ranks, against single-process training on the whole batch, by
 `tests.parity`'s rule: per tensor within max(2 x DDP's own error on it, 1e-6), per step a
 loss within max(2 x DDP's largest loss deviation, 1e-6), DDP measured in the same launch.

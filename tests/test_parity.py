@@ -16,7 +16,9 @@ def _parity_all_optimizers(stages: tuple[int, ...]) -> dict:
         ref_model, ref_losses, ddp = parity.ddp_oracle(name, data)
         report[f"{name}/DDP"] = max(ddp.tensors.values())
         for stage in stages:
-            for set_to_none in (True, False):
+            # zero_grad(set_to_none=False) leaves zeroed gradients behind whatever the
+            # optimizer: one optimizer checks it.
+            for set_to_none in (True, False) if name == "AdamW" else (True,):
                 # Small buckets in stage 2 exercise several flat buffers and overlap.
                 bucket_mb = 0.01 if stage == 2 else 25.0
                 model = parity.make_model()
@@ -57,7 +59,8 @@ def test_parity_all_stages_fp32(world_size):
     for rank_report in reports:
         assert set(rank_report) >= {
             "AdamW/stage1/set_to_none=True",
-            "Adagrad/stage2/set_to_none=False",
+            "Adagrad/stage2/set_to_none=True",
+            "AdamW/stage2/set_to_none=False",
         }
         if world_size > 1:
             assert {"AdamW/stage2/native", "SGD/stage3/native"} <= set(rank_report)
