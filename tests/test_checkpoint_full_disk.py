@@ -8,7 +8,7 @@ test-only HOLD_ENV); once the other rank's file is written, the held rank fills 
 ``[Errno 28] No space left on device``. For "rank 0 fails" and "rank 1 fails":
 
 1. every rank's ``wait()`` raises within a few seconds, naming the failing rank and the real
-   cause -- not after ``timeout_s`` (20 s here) with "did it die?". The markers through
+   cause -- not after ``timeout_s`` (60 s here) with "did it die?". The markers through
    which the ranks report were reserved at the call, so they need no space when written;
 2. with the filler gone, the next save into the same root (same name for one case, another
    for the other) succeeds although the disk could not also hold the failed save's partial
@@ -38,7 +38,9 @@ from zerolite.checkpoint.commit import HOLD_ENV
 from zerolite.checkpoint.format import shard_file
 from zerolite.testing import run_ranks
 
-TIMEOUT_S = 20.0  # ZeroConfig.timeout_s: a rank told nothing would wait this long
+# ZeroConfig.timeout_s: a rank told nothing would wait this long. Long, so that the bound on
+# the error's arrival (a third of it) leaves a loaded machine room and still rules it out.
+TIMEOUT_S = 60.0
 # Bytes of each case's tmpfs, in 4 KiB pages: a checkpoint takes 83 (files of 42 and 38, the
 # index), so two fit with room to spare (21 pages), but not also a failed save's file.
 SIZE = 190 * 4096
@@ -148,7 +150,7 @@ def full_disk(tmp_path_factory):
         if holder.stdout.readline().strip() != "mounted":
             pytest.skip(f"cannot mount a private tmpfs here: {holder.stderr.read()[:300]}")
         roots = {case: f"/proc/{holder.pid}/root{m}" for case, m in mounts.items()}
-        results = run_ranks(_full_disk, 2, roots, timeout=150)
+        results = run_ranks(_full_disk, 2, roots, timeout=300)
     finally:
         holder.kill()
         holder.wait()
@@ -164,7 +166,7 @@ def test_full_disk_reaches_every_rank_within_seconds(full_disk, case):
         assert f"rank {failing}: writing" in error and "No space left on device" in error, (
             rank, error)
         assert "did it die" not in error, (rank, error)
-        assert out["seconds"] < TIMEOUT_S / 4, (rank, out["seconds"], error)
+        assert out["seconds"] < TIMEOUT_S / 3, (rank, out["seconds"], error)
         assert out["latest_after_failure"] == "good"
 
 
