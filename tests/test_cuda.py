@@ -33,7 +33,7 @@ from zerolite import ZeroConfig
 from zerolite import checkpoint as ckpt
 from zerolite.checkpoint.staging import StagingArea
 from zerolite.comm.collectives import Group, wait_for
-from zerolite.comm.small_exchange import run_small
+from zerolite.comm.small_collectives import run_small
 from zerolite.memory import footprint, track
 from zerolite.state.pinned import host_buffer
 from zerolite.state.shard_state import state_of

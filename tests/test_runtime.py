@@ -1,6 +1,6 @@
-"""The device runtime (`zerolite.comm.runtime`): the only module that names CUDA in code.
+"""The device runtime (`zerolite.ground.runtime`): the only module that names CUDA in code.
 
-- The source rule (an AST walk of every module): outside ``comm/runtime.py`` no identifier,
+- The source rule (an AST walk of every module): outside ``ground/runtime.py`` no identifier,
   attribute, import or string that code acts on (``"cuda"``, ``"rng/cuda"``) contains
   ``cuda``. Docstrings, comments and prose messages to the user (a string with a space in
   it: ``"... model.to(f'cuda:{local_rank}') ..."``) may name it. So ``grep -rn cuda
@@ -24,11 +24,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from zerolite.comm import runtime
+from zerolite.ground import runtime
 from zerolite.state.pinned import host_buffer
 
 PACKAGE = Path(__file__).resolve().parent.parent / "zerolite"
-RUNTIME = PACKAGE / "comm" / "runtime.py"
+RUNTIME = PACKAGE / "ground" / "runtime.py"
 
 
 def _docstrings(tree: ast.AST) -> set[int]:
@@ -99,7 +99,7 @@ def test_only_the_runtime_module_names_cuda_in_code():
         for line, what in cuda_in_code(path.read_text())
     ]
     assert not offenders, (
-        "device-specific code outside zerolite/comm/runtime.py (route it through that "
+        "device-specific code outside zerolite/ground/runtime.py (route it through that "
         "module):\n" + "\n".join(offenders)
     )
     assert cuda_in_code(RUNTIME.read_text())  # the rule reads what it claims to

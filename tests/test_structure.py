@@ -1,9 +1,14 @@
 """The package keeps the shape docs/design.md ("Layers") describes, read from the source.
 
-- Folders along the data path, each importing only its own layer and those below it: no
+- The layer table exists once, in docs/design.md: this test reads it from there.
+- Folders in layer order, each importing only its own layer and those below it: no
   import runs back up, type-only imports (``if TYPE_CHECKING:``) and imports inside
   functions included, and no import circle anywhere.
-- The top level of ``zerolite/`` holds at most 16 modules: the public faces and the ground.
+- No back-channel: no module hands one of its own functions down to a lower layer at
+  import (a module-level call made for its effect, or an assignment into the lower
+  module), which would let the lower layer call back up where no import shows it.
+- The top level of ``zerolite/`` holds only public faces (names a user imports) and
+  ``__init__``, ``__main__``, ``_version``.
 - No function is longer than 80 lines (from its ``def`` to its last line, docstring
   included): a longer one is cut into named steps.
 """
@@ -11,33 +16,39 @@
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
 
-PACKAGE = Path(__file__).resolve().parent.parent / "zerolite"
-
-# Lowest first. A module belongs to the layer of its folder (a top-level module: the layer
-# naming it); it may import modules of its own layer and of the layers before it.
-LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
-    ("ground", frozenset({
-        "_version", "errors", "config_env", "config", "compile_guard", "phase_events",
-    })),
-    ("comm", frozenset({"comm"})),
-    ("plan", frozenset({"plan"})),
-    ("params", frozenset({"params"})),
-    ("grads", frozenset({"grads"})),
-    ("state", frozenset({"state"})),
-    ("optim", frozenset({"optim"})),
-    ("checkpoint", frozenset({"checkpoint"})),
-    ("memory", frozenset({"memory"})),
-    ("faces", frozenset({
-        "__init__", "__main__", "zero", "gathered", "testing", "pytest_plugin", "accelerate",
-        "hf", "cli", "saving",
-    })),
-)
-MAX_TOP_LEVEL_MODULES = 16
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "zerolite"
+DESIGN = ROOT / "docs" / "design.md"
 MAX_FUNCTION_LINES = 80
+# Top-level modules that are not faces but every Python package has.
+PACKAGE_FILES = frozenset({"__init__", "__main__", "_version"})
+
+
+def layers_from_design(text: str) -> tuple[tuple[str, frozenset[str]], ...]:
+    """The layer table of docs/design.md (the first table after "## Layers"), lowest first:
+    (layer name, the folders and top-level modules it holds, as ``comm`` or ``config``)."""
+    section = text.split("\n## Layers\n", 1)[1]
+    rows = []
+    for line in section.split("\n"):
+        if not line.startswith("|"):
+            if rows:
+                break
+            continue
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if cells[0] in ("layer", "") or set(cells[0]) <= set("-: "):
+            continue
+        names = re.findall(r"`([\w.]+/?)`", cells[1])
+        rows.append((cells[0], frozenset(n.removesuffix("/").removesuffix(".py") for n in names)))
+    assert rows, "docs/design.md has no layer table under '## Layers'"
+    return tuple(rows)
+
+
+LAYERS = layers_from_design(DESIGN.read_text())
 
 
 def _modules() -> dict[str, Path]:
@@ -60,7 +71,7 @@ def _layer(module: str) -> int:
     for i, (_, members) in enumerate(LAYERS):
         if key in members:
             return i
-    raise AssertionError(f"{module} is in no layer of tests/test_structure.py; add it")
+    raise AssertionError(f"{module} is in no layer of docs/design.md's table ('Layers'); add it")
 
 
 def _imports(module: str) -> set[str]:
@@ -141,9 +152,133 @@ def test_no_import_circle():
     assert not circles, f"import circles: {circles}"
 
 
-def test_the_top_level_stays_small():
-    top = sorted(p.name for p in PACKAGE.glob("*.py"))
-    assert len(top) <= MAX_TOP_LEVEL_MODULES, top
+def _public_top_level() -> set[str]:
+    """Top-level modules a user imports: those ``zerolite/__init__.py`` takes a name of
+    ``__all__`` from or loads on first use, the API reference's public modules, and the
+    command's entry point."""
+    init = ast.parse((PACKAGE / "__init__.py").read_text())
+    public = set()
+    for node in ast.walk(init):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("zerolite."):
+            public.add(node.module.split(".")[1])
+        if isinstance(node, ast.Assign) and any(
+            isinstance(t, ast.Name) and t.id == "_LAZY_SUBMODULES" for t in node.targets
+        ):
+            public.update(ast.literal_eval(node.value))
+    hooks = (ROOT / "docs" / "hooks" / "zerolite_docs.py").read_text()
+    public.update(m.split(".")[1] for m in re.findall(r'"(zerolite\.\w+)"', hooks))
+    # [project.scripts]: the command's entry point (``zerolite = "zerolite.cli:main"``)
+    scripts = (ROOT / "pyproject.toml").read_text().split("[project.scripts]", 1)[1]
+    public.update(re.findall(r'=\s*"zerolite\.(\w+):', scripts.split("\n[", 1)[0]))
+    return public
+
+
+def test_the_top_level_holds_only_public_faces():
+    top = {p.stem for p in PACKAGE.glob("*.py")} - PACKAGE_FILES
+    assert not top - _public_top_level(), (
+        f"top-level modules no user imports: {sorted(top - _public_top_level())}; move "
+        "them into the folder of their layer (ground code into zerolite/ground/)"
+    )
+
+
+def test_the_layer_table_names_every_folder_and_top_level_module():
+    listed = {name for _, members in LAYERS for name in members}
+    present = {p.stem for p in PACKAGE.glob("*.py")} | {
+        p.parent.name for p in PACKAGE.glob("*/__init__.py")
+    }
+    assert listed == present, (
+        f"docs/design.md's layer table names {sorted(listed - present)} that do not exist "
+        f"and leaves out {sorted(present - listed)}"
+    )
+
+
+def _bindings(tree: ast.Module, module: str) -> dict[str, str]:
+    """Local name -> the package's module it is, or the module it was imported from."""
+    path = MODULES[module]
+    here = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    out = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.startswith("zerolite"):
+                    out[a.asname or a.name.split(".")[0]] = a.name if a.asname else "zerolite"
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = here.split(".")[: len(here.split(".")) - node.level + 1]
+                base = ".".join([*anchor, base] if base else anchor)
+            if base.startswith("zerolite"):
+                for a in node.names:
+                    full = f"{base}.{a.name}"
+                    out[a.asname or a.name] = full if full in MODULES else base
+    return out
+
+
+def _module_level(body: list[ast.stmt]) -> list[ast.stmt]:
+    """Statements that run at import: the body, and the bodies of its ``if``/``try``/
+    ``with`` blocks, never a function's or a class's."""
+    out = []
+    for stmt in body:
+        if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            continue
+        out.append(stmt)
+        for field in ("body", "orelse", "finalbody", "handlers"):
+            inner = getattr(stmt, field, None)
+            if isinstance(inner, list):
+                out += _module_level([s for s in inner if isinstance(s, ast.stmt)]
+                                     + [b for h in inner if isinstance(h, ast.ExceptHandler)
+                                        for b in h.body])
+    return out
+
+
+def handed_down(module: str) -> list[str]:
+    """Where ``module`` hands one of its own functions or classes to a module of a lower
+    layer at import: a module-level call made for its effect with it as an argument
+    (``lower.register(my_function)``, ``setattr(lower, "f", my_function)``), or an
+    assignment of it into the lower module (``lower.hook = my_function``)."""
+    tree = ast.parse(MODULES[module].read_text())
+    own = {
+        n.name for n in tree.body
+        if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+    }
+    bound = _bindings(tree, module)
+
+    def lower(expr: ast.expr) -> str | None:
+        """The lower-layer module ``expr`` names (itself or through an attribute)."""
+        while isinstance(expr, ast.Attribute):
+            expr = expr.value
+        target = bound.get(expr.id) if isinstance(expr, ast.Name) else None
+        return target if target is not None and _layer(target) < _layer(module) else None
+
+    def is_own(expr: ast.expr) -> bool:
+        return isinstance(expr, ast.Name) and expr.id in own
+
+    found = []
+    for stmt in _module_level(tree.body):
+        if isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Call):
+            call = stmt.value
+            args = [*call.args, *(k.value for k in call.keywords)]
+            receiver = lower(call.func)
+            if isinstance(call.func, ast.Name) and call.func.id == "setattr" and call.args:
+                receiver = lower(call.args[0])
+            if receiver is not None and any(is_own(a) for a in args):
+                found.append(f"{module} line {stmt.lineno}: hands a function to {receiver}")
+        elif isinstance(stmt, (ast.Assign, ast.AnnAssign)):
+            targets = stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target]
+            for t in targets:
+                if isinstance(t, ast.Attribute) and stmt.value is not None and is_own(stmt.value):
+                    if (receiver := lower(t)) is not None:
+                        found.append(f"{module} line {stmt.lineno}: assigns into {receiver}")
+    return found
+
+
+def test_no_module_hands_a_function_down_to_a_lower_layer():
+    found = [line for module in MODULES for line in handed_down(module)]
+    assert not found, (
+        "a higher layer's function passed down through a module global (a back-channel the "
+        "import check cannot see): pass it as an argument, or move the code below:\n"
+        + "\n".join(found)
+    )
 
 
 def _functions() -> list[tuple[int, str]]:
@@ -175,3 +310,23 @@ def test_the_check_sees_each_kind_of_import(tmp_path, monkeypatch, source, expec
     path.write_text(source)
     monkeypatch.setitem(MODULES, "zerolite.plan.probe", path)
     assert _imports("zerolite.plan.probe") == expected
+
+
+_FACE = "from zerolite.ground import phase_events\n\n\ndef shard():\n    pass\n\n\n"
+
+
+@pytest.mark.parametrize("source,flagged", [
+    (_FACE + "phase_events.provide_shard(shard)\n", True),  # the pattern this check removed
+    (_FACE + "phase_events._shard = shard\n", True),
+    (_FACE + "setattr(phase_events, '_shard', shard)\n", True),
+    (_FACE + "if True:\n    phase_events.provide_shard(f=shard)\n", True),
+    (_FACE + "def later():\n    phase_events.provide_shard(shard)\n", False),  # at call time
+    (_FACE + "wrapped = phase_events.wrap(shard)\n", False),  # a value kept here
+    (_FACE + "phase_events.sample(3)\n", False),
+])
+def test_the_back_channel_check_sees_a_function_handed_down(tmp_path, monkeypatch, source,
+                                                            flagged):
+    path = tmp_path / "probe.py"
+    path.write_text(source)
+    monkeypatch.setitem(MODULES, "zerolite.cli", path)  # a face: above every layer
+    assert bool(handed_down("zerolite.cli")) == flagged

@@ -28,7 +28,7 @@ _SUBCOMMANDS: dict[str, tuple[str, str]] = {
         "per-rank memory of every stage (the ZeRO formulas, or exact for a model)",
     ),
     "plan": (
-        "zerolite.memory.plan_commands",
+        "zerolite.memory.budget_commands",
         "the configurations whose predicted peak fits a memory budget, cheapest first",
     ),
     "consolidate": (

@@ -19,7 +19,7 @@ Accelerate integration (`zerolite.accelerate.ZeroAccelerator`) plus Trainer's fi
 - ``save_model`` gathers the parameters unit by unit to rank 0 and writes them with the
   model's ``save_pretrained``: ``from_pretrained`` loads the result. With 16-bit parameters
   it writes the fp32 masters, as the stock Trainer (fp32 parameters under autocast) does,
-  and ``config.json`` says float32 (``save_dtype``, `zerolite.saving`).
+  and ``config.json`` says float32 (``save_dtype``, `zerolite.integrations.outputs`).
 - ``args.torch_compile``: the model is compiled after zerolite has sharded it
   (`zerolite.accelerate.ZeroAccelerator.prepare_model`).
 - ``checkpoint-N/`` keeps Trainer's files (weights as above, ``trainer_state.json``,
@@ -62,11 +62,11 @@ from zerolite.accelerate import ZeroAccelerator, check_launch
 from zerolite.checkpoint.pending_save import finish_in_flight_everywhere
 from zerolite.checkpoint.run_folders import RunFolders
 from zerolite.checkpoint.trainer_resume import check_steps, newest_complete
-from zerolite.comm import runtime
 from zerolite.config import ZeroConfig
+from zerolite.ground import runtime
+from zerolite.integrations.outputs import check_save_dtype, weights_for_saving
 from zerolite.optim.sharded_optimizer import ShardedOptimizer
 from zerolite.plan.optimizers import check_optimizer
-from zerolite.saving import check_save_dtype, weights_for_saving
 
 __all__ = ["ZERO_CHECKPOINT_DIR", "ZeroTrainer", "ZeroTrainerMixin", "zero_config_for_args"]
 
@@ -329,10 +329,10 @@ class ZeroTrainerMixin:
         """Write what ``from_pretrained`` loads: HF names, safetensors, config (all ranks call).
 
         Parameters are gathered unit by unit to rank 0 (on CPU), from the fp32 masters in
-        ``save_dtype`` (`zerolite.saving.weights_for_saving`); rank 0 writes them with the
-        model's ``save_pretrained`` (``model.safetensors``, or shards and an index above its
-        ``max_shard_size``), with ``config.json`` (whose ``dtype`` names what was written)
-        and the processing class.
+        ``save_dtype`` (`zerolite.integrations.outputs.weights_for_saving`); rank 0 writes
+        them with the model's ``save_pretrained`` (``model.safetensors``, or shards and an
+        index above its ``max_shard_size``), with ``config.json`` (whose ``dtype`` names what
+        was written) and the processing class.
         """
         output_dir = output_dir if output_dir is not None else self.args.output_dir
         state_dict = weights_for_saving(self.model, self.save_dtype, keep=self.args.should_save)

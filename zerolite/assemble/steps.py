@@ -1,10 +1,10 @@
-"""`shard()`: validate, agree across ranks, then build what the stage needs, step by step.
+"""`assemble`: what `zerolite.shard` does, below the public face: validate, agree across
+ranks, then build what the stage needs, step by step.
 
 Nothing is modified until every rank has validated its inputs and all ranks agree on the
-plan (`zerolite.comm.consensus`): where the flat buffers live and over which group
-(`_world`), which parameters go into which flat buffer (`zerolite.plan`, `_agree_on_plan`)
-and what the offload tier holds (`_agree_on_offload`). Then `_build` runs one named step
-per concern, in the order data will travel:
+plan (`zerolite.assemble.agree`): where the flat buffers live and over which group, which
+parameters go into which flat buffer (`zerolite.plan`) and what the offload tier holds.
+Then `_build` runs one named step per concern, in the order data will travel:
 
 1. `_choose_exchanges`: each flat buffer's exchange (`zerolite.comm.exchange`);
 2. `_place_parameters`: the flat buffers, bound to the parameters, holding rank 0's
@@ -22,199 +22,78 @@ per concern, in the order data will travel:
 and the `ShardState` holding all of it, complete, wrapped by the `ShardedOptimizer`.
 What the stage shards (`zerolite.plan.stages.STAGES`) picks the pieces; no step branches
 on the stage number.
+
+`zerolite.shard` (`zerolite.sharding`) is `assemble` plus its log line; the memory tools
+(`zerolite.memory`) call `assemble` directly to build a sharded step in a simulated world.
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import hashlib
-import logging
 import weakref
-from collections.abc import Iterator, Sequence
-from typing import cast
+from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 from torch import nn
 
-from zerolite import phase_events
+from zerolite.assemble.agree import agree_on_offload, agree_on_plan, world_of
 from zerolite.comm.collectives import Group, broadcast, broadcast_coalesced
-from zerolite.comm.consensus import agreed
-from zerolite.comm.devices import backends_of, buffer_device, check_buffer_device
 from zerolite.comm.exchange import Exchange, exchange_for
-from zerolite.comm.hybrid import data_parallel_group, shard_group_size, sharding_group
-from zerolite.compile_guard import exclude_from_compile, not_compiled
+from zerolite.comm.hybrid import sharding_group
 from zerolite.config import ZeroConfig
 from zerolite.grads.bucket import GradBucket
 from zerolite.grads.hooks import KeepFullGrads, ShardGradsInBackward
 from zerolite.grads.reducer import GradReducer, install_no_sync
-from zerolite.optim.multi import MultiOptimizer, class_name, inner_optimizers
+from zerolite.ground import phase_events
+from zerolite.ground.compile_guard import exclude_from_compile, not_compiled
+from zerolite.optim.multi import MultiOptimizer
 from zerolite.optim.repoint import repoint_optimizer
-from zerolite.optim.sharded_optimizer import ShardedOptimizer, check_not_sharded
+from zerolite.optim.sharded_optimizer import ShardedOptimizer
 from zerolite.params.flat_buffer import FlatParamBuffer
 from zerolite.params.guard import guard_conversions
 from zerolite.params.meta_init import MetaBuild, check_before_first_forward, materialize
 from zerolite.params.unit_scheduler import UnitScheduler
-from zerolite.plan.offload import OffloadLayout, plan_offload
+from zerolite.plan.offload import OffloadLayout
 from zerolite.plan.owners import assign_owners
-from zerolite.plan.quantization import buffer_wires, describe_quantization, skipped_parameters
-from zerolite.plan.shard_plan import ShardPlan, plan_layout
+from zerolite.plan.quantization import buffer_wires, skipped_parameters
+from zerolite.plan.shard_plan import ShardPlan
 from zerolite.plan.stages import STAGES
 from zerolite.state.arena import DiskArena, HostArena
 from zerolite.state.master import MasterShard
-from zerolite.state.offload import OffloadTier, build_tier, check_offload, reserve_arena
+from zerolite.state.offload import OffloadTier, build_tier
 from zerolite.state.pieces import pieces_of
 from zerolite.state.shard_state import ShardState, register
 
-__all__ = ["shard"]
-
-logger = logging.getLogger(__name__)
-
-# How the model computes around zerolite's parameters, for `shard()`'s log line: set by the
-# Accelerate and Trainer integrations, whose autocast `shard()` cannot see (it wraps the
-# model's forward, outside zerolite).
-_AUTOCAST_NOTE: contextvars.ContextVar[str | None] = contextvars.ContextVar(
-    "zerolite_autocast_note", default=None
-)
+__all__ = ["Assembled", "assemble"]
 
 
-@contextlib.contextmanager
-def announcing_autocast(note: str | None) -> Iterator[None]:
-    """Inside, `shard()`'s log line says the model computes ``note`` (e.g. "under
-    Accelerate's bf16 autocast"); ``None`` says nothing more."""
-    token = _AUTOCAST_NOTE.set(note)
-    try:
-        yield
-    finally:
-        _AUTOCAST_NOTE.reset(token)
+class Assembled(NamedTuple):
+    """What `assemble` built: the optimizer to use, and the partition the plan resolved
+    (``"flat"`` or ``"tensor"``; ``ZeroConfig.partition="auto"`` picks one)."""
+
+    sharded: ShardedOptimizer
+    partition: str
 
 
-def shard(
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer],
-    config: ZeroConfig | None = None,
-) -> ShardedOptimizer:
-    """Shard ``optimizer``'s state (and, in stage 2, gradients) across data-parallel ranks.
-
-    ``model`` is changed in place: each parameter the optimizer holds becomes a view of
-    a flat buffer (same ``nn.Parameter`` object, dtype ``config.param_dtype``), gets a
-    gradient hook, and ``model.no_sync()`` appears. ``optimizer`` is kept: its
-    ``param_groups`` (the same dicts) now hold this rank's fp32 master pieces.
-
-    Every rank of ``config.process_group`` must call this with the same model
-    structure, optimizer class and groups, and config; a mismatch raises
-    `zerolite.RankMismatchError` on every rank instead of hanging.
-
-    A model built under ``torch.device("meta")`` is materialised on ``config.device``
-    one unit at a time and initialised by ``config.init_fn`` or its modules'
-    ``reset_parameters()`` (see `zerolite.params.meta_init`); tensors nothing initialised must
-    be loaded (`zerolite.checkpoint.load_pretrained`) before the first forward.
-
-    Args:
-        model: any ``nn.Module`` whose parameters are on one device (``meta`` included).
-        optimizer: the user's optimizer over (some of) ``model``'s parameters, or a list of
-            optimizers over disjoint parameters (e.g. ``[muon, adamw]``), stepped, clipped,
-            saved and loaded together (`zerolite.optim.multi`). With ``partition="flat"``
-            each must be elementwise (Adam, AdamW, SGD, Adagrad, RMSprop, Adamax, NAdam,
-            RAdam, or declared in ``config.elementwise_optimizers``); with ``"tensor"``
-            (what ``"auto"`` picks otherwise) any optimizer stepping each tensor on its own.
-        config: a `ZeroConfig`; ``None`` means ``ZeroConfig()`` (which reads ``ZEROLITE_*``
-            environment variables).
-    Returns:
-        The `ShardedOptimizer` to use instead of ``optimizer`` from now on.
-    Raises:
-        TypeError: unsupported optimizer class, or arguments of the wrong type.
-        ValueError: stage 0, parameters not in the model, on mixed devices, or listed twice;
-            a device the process group cannot carry (a CPU model with an NCCL group), or
-            ``collectives="point_to_point"`` over NCCL (`zerolite.comm.devices`).
-        RuntimeError: the model was already sharded; ranks disagree (`RankMismatchError`).
-
-    Example::
-
-        opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
-        opt = zerolite.shard(model, opt, zerolite.ZeroConfig(stage=2))
-        loss = model(x).sum(); loss.backward(); opt.step(); opt.zero_grad()
-    """
-    config = ZeroConfig() if config is None else config
-    world = _world(model, optimizer, config)
-    optimizer, plan, k, lines = _agree_on_plan(model, optimizer, config, world)
-    group = sharding_group(world, k, config)
-    offload, arena = _agree_on_offload(plan, optimizer, config, group)
-    digest = hashlib.sha256("\n".join(lines).encode()).hexdigest()
-    with phase_events.phase("build", world.buffer_device):
-        sharded = _build(model, optimizer, config, group, plan, digest, (offload, arena))
-    phase_events.built(sharded)
-    return sharded
-
-
-phase_events.provide_shard(shard)  # for the memory tools' simulations, below this layer
-
-
-def _world(model: object, optimizer: object, config: ZeroConfig) -> Group:
-    """Every data-parallel rank, with the device its flat buffers will live on. That device
-    decides where the ranks' agreement travels, so it is decided first; a group that cannot
-    carry it is refused on every rank alike."""
-    pg = data_parallel_group(config)
-    device = buffer_device(_candidate_parameters(model, optimizer), config.device, pg)
-    check_buffer_device(device, backends_of(pg), config.collectives)
-    return Group(pg, collectives=config.collectives, timeout_s=config.timeout_s, device=device)
-
-
-def _candidate_parameters(
-    model: object, optimizer: object
-) -> Iterator[torch.Tensor]:
-    """The tensors whose device the flat buffers take, before anything is validated: the
-    optimizer's trainable ones first (as `zerolite.plan.shard_plan` takes them), then the model's.
-    Never raises: odd input is refused later, inside the ranks' agreement."""
-    optimizers = optimizer if isinstance(optimizer, (list, tuple)) else [optimizer]
-    for opt in optimizers:
-        for group in getattr(opt, "param_groups", None) or []:
-            params = group.get("params", []) if isinstance(group, dict) else []
-            for p in params if isinstance(params, (list, tuple)) else []:
-                if isinstance(p, torch.Tensor) and p.requires_grad:
-                    yield p
-    if isinstance(model, nn.Module):
-        yield from model.parameters()
-
-
-def _agree_on_plan(
+def assemble(
     model: nn.Module,
     optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer],
     config: ZeroConfig,
-    world: Group,
-) -> tuple[torch.optim.Optimizer, ShardPlan, int | None, list[str]]:
-    """Validate and plan on every rank, then agree: raises on every rank if any rank failed
-    or ranks describe different plans. Returns the optimizer (several as one
-    `MultiOptimizer`), the plan, the shard group size (None: every rank) and the lines
-    agreed on."""
-    plan: ShardPlan | None = None
-    k: int | None = None
-    with agreed("zerolite.shard()", world) as lines:
-        if isinstance(optimizer, (list, tuple)):
-            optimizer = MultiOptimizer(optimizer)
-        k = shard_group_size(config, world.size)
-        lines.append(f"shard_group_size: {k or world.size} of {world.size} ranks")
-        check_not_sharded(model, optimizer)
-        plan = plan_layout(model, inner_optimizers(optimizer), config, device=world.buffer_device)
-        lines += plan.describe(config, model, class_name(optimizer), optimizer.param_groups)
-        lines += describe_quantization(config, model)
-    # (Reached only when every rank planned: `agreed` raised otherwise.)
-    return cast(torch.optim.Optimizer, optimizer), cast(ShardPlan, plan), k, lines
-
-
-def _agree_on_offload(
-    plan: ShardPlan, optimizer: torch.optim.Optimizer, config: ZeroConfig, group: Group
-) -> tuple[OffloadLayout | None, DiskArena | HostArena | None]:
-    """This rank's offload layout over its shard group, and its arena, reserved before
-    anything changes (`reserve_arena`); a tier that cannot hold it (a bad
-    directory, too little space) raises on every rank."""
-    offload, arena = None, None
-    with agreed("zerolite.shard() (offload)", group.world):
-        offload = plan_offload(plan, optimizer, config, rank=group.rank, world_size=group.size)
-        if offload is not None:
-            check_offload(offload, config, plan.device)
-            arena = reserve_arena(offload, config, group.rank)
-    return offload, arena
+) -> Assembled:
+    """`zerolite.shard` without its log line (its docstring says what changes and who
+    calls): every rank of ``config.process_group`` must call, with the same model
+    structure, optimizer and config. The building is announced to the memory tools
+    (`zerolite.ground.phase_events`: the ``"build"`` phase, then `built`)."""
+    world = world_of(model, optimizer, config)
+    optimizer, plan, k, lines = agree_on_plan(model, optimizer, config, world)
+    group = sharding_group(world, k, config)
+    offload, arena = agree_on_offload(plan, optimizer, config, group)
+    digest = hashlib.sha256("\n".join(lines).encode()).hexdigest()
+    with phase_events.phase("build", world.buffer_device):
+        plan, sharded = _build(model, optimizer, config, group, plan, digest, (offload, arena))
+    phase_events.built(sharded)
+    return Assembled(sharded, plan.partition)
 
 
 def _build(
@@ -225,8 +104,9 @@ def _build(
     plan: ShardPlan,
     layout_digest: str,
     reserved: tuple[OffloadLayout | None, DiskArena | HostArena | None],
-) -> ShardedOptimizer:
-    """Every rank agreed: build, one step per concern (the module docstring)."""
+) -> tuple[ShardPlan, ShardedOptimizer]:
+    """Every rank agreed: build, one step per concern (the module docstring). Returns the
+    plan as built (owners assigned) and the optimizer."""
     offload, arena = reserved
     if plan.partition == "tensor":  # each buffer's parameters ordered by owner: the layout
         plan = assign_owners(plan, group.size)
@@ -247,34 +127,7 @@ def _build(
     )
     sharded = ShardedOptimizer(optimizer, state)
     register(model, state, sharded)
-    if group.world.rank == 0 and logger.isEnabledFor(logging.INFO):
-        logger.info(_announcement(sharded, plan.partition))
-    return sharded
-
-
-def _announcement(sharded: ShardedOptimizer, partition: str) -> str:
-    """The one line `shard()` logs on rank 0 (at INFO): that zerolite is on, how, and what
-    this rank holds now (`zerolite.memory.footprint`; the optimizer's moments appear at its
-    first step)."""
-    # Here, not at the top: `import zerolite` stays light (zerolite.memory loads on first use).
-    from zerolite.memory.footprint import footprint
-
-    config, group, flats = sharded.config, sharded.group, sharded.flats
-    dtype = str(config.param_dtype).removeprefix("torch.")
-    precision = "fp32" if dtype == "float32" else f"{dtype} parameters with fp32 masters"
-    note = _AUTOCAST_NOTE.get()
-    if note is not None:  # fp32 parameters are their own masters
-        precision = f"{'fp32 parameters' if dtype == 'float32' else precision} {note}"
-    held = footprint(sharded)
-    mib = 2.0**20
-    return (
-        f"zerolite: stage {config.stage} over {group.world.size} ranks, {precision}, partition "
-        f"{partition}: {sum(len(f.params) for f in flats)} parameters "
-        f"({sum(f.numel for f in flats)} elements) in {len(flats)} flat buffers; rank 0 holds "
-        f"{held.model_states / mib:.2f} MiB (parameters {held.params / mib:.2f}, gradients "
-        f"{held.grads / mib:.2f}, fp32 masters {held.master / mib:.2f}; optimizer state from "
-        f"its first step)"
-    )
+    return plan, sharded
 
 
 def _choose_exchanges(
@@ -482,6 +335,6 @@ def _schedule_units(
 
     grads.on_bucket_complete = on_bucket_complete
     # Both run from autograd callbacks, inside a compiled frame when a compiled function
-    # calls backward; they must not be traced (see zerolite.compile_guard).
+    # calls backward; they must not be traced (see zerolite.ground.compile_guard).
     grads.on_backward_end = not_compiled(on_backward_end)
     return scheduler

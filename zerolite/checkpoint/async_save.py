@@ -25,13 +25,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from zerolite import phase_events
 from zerolite.checkpoint.commit import SaveLock, commit_checkpoint
+from zerolite.checkpoint.file_writer import write_shard
 from zerolite.checkpoint.format import CheckpointError
 from zerolite.checkpoint.markers import Markers
 from zerolite.checkpoint.rank_file import RankFile
-from zerolite.checkpoint.shard_writer import write_shard
 from zerolite.checkpoint.staging import StagingArea
+from zerolite.ground import phase_events
 
 __all__ = ["stage", "write_and_commit"]
 

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from zerolite.checkpoint.file_writer import SAFETENSORS_DTYPE, as_bytes, safetensors_header
 from zerolite.checkpoint.format import (
     CheckpointError,
     check_file,
@@ -34,7 +35,6 @@ from zerolite.checkpoint.format import (
     model_key,
     read_index,
 )
-from zerolite.checkpoint.shard_writer import SAFETENSORS_DTYPE, as_bytes, safetensors_header
 
 __all__ = ["consolidate", "inspect", "verify"]
 

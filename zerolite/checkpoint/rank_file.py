@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from zerolite.checkpoint.file_writer import LazyTensor
 from zerolite.checkpoint.format import (
     FORMAT,
     frozen_key,
@@ -26,10 +27,9 @@ from zerolite.checkpoint.format import (
     shard_file,
     state_key,
 )
-from zerolite.checkpoint.groups import piece_groups
+from zerolite.checkpoint.param_groups import piece_groups
 from zerolite.checkpoint.residuals import residual_tensors
-from zerolite.checkpoint.shard_writer import LazyTensor
-from zerolite.comm import runtime
+from zerolite.ground import runtime
 from zerolite.optim.sharded_optimizer import ShardedOptimizer
 from zerolite.state.pieces import Piece
 from zerolite.state.shard_state import ShardState

@@ -54,6 +54,7 @@ from zerolite.checkpoint.commit import (
     recover,
     remove_leftovers,
 )
+from zerolite.checkpoint.file_writer import layout, shard_chunks, write_shard
 from zerolite.checkpoint.format import (
     FORMAT,
     LATEST,
@@ -70,11 +71,10 @@ from zerolite.checkpoint.pending_save import PendingSave, finish_in_flight, star
 from zerolite.checkpoint.rank_file import model_only_tensors, rank_file, state_dict_names
 from zerolite.checkpoint.residuals import gather_replica_residuals
 from zerolite.checkpoint.schedulers import scheduler_entries
-from zerolite.checkpoint.shard_writer import layout, shard_chunks, write_shard
 from zerolite.checkpoint.staging import staging_area
 from zerolite.comm.collectives import Group
 from zerolite.comm.consensus import agreed
-from zerolite.comm.small_exchange import all_gather_bytes
+from zerolite.comm.small_collectives import all_gather_bytes
 from zerolite.optim.multi import class_name
 from zerolite.optim.sharded_optimizer import (
     ShardedOptimizer,

@@ -4,7 +4,7 @@ An asynchronous save must write the state as it was at the call while training g
 changing the live tensors. So the call copies every tensor of the rank's file (masters,
 optimizer state, stage-3 parameter and frozen shards, RNG states; on rank 0 buffers and
 unsharded parameters) into one host byte buffer laid out exactly as the file's data
-section (`zerolite.checkpoint.shard_writer.layout`), and the background thread writes
+section (`zerolite.checkpoint.file_writer.layout`), and the background thread writes
 that buffer as it is. Offloaded values (`LazyTensor`) are read from their tier straight
 into the buffer, one tensor at a time: the buffer is the only copy made.
 
@@ -26,8 +26,8 @@ from collections.abc import Mapping
 
 import torch
 
-from zerolite.checkpoint.shard_writer import LazyTensor, Slot, as_bytes, layout
-from zerolite.comm import runtime
+from zerolite.checkpoint.file_writer import LazyTensor, Slot, as_bytes, layout
+from zerolite.ground import runtime
 from zerolite.state.pinned import host_buffer
 
 __all__ = ["StagingArea", "staging_area", "staging_bytes"]

@@ -11,7 +11,7 @@ Two devices matter, and this module is the only place that decides them:
 - the *communication device* of small exchanges (the step's agreement flags and
   counters, norms, overflow flags, digests of plans, generator states): the buffer device
   when its backend is not gloo (NCCL carries CUDA tensors only), else the CPU (gloo's
-  fastest path). `zerolite.comm.small_exchange` moves every small exchange there and back.
+  fastest path). `zerolite.comm.small_collectives` moves every small exchange there and back.
 
 [Note: backends of a process group] ``dist.get_backend(pg)`` is not enough to tell what a
 group can carry. On torch 2.13 it is ``"gloo"`` or ``"nccl"`` for a group created with that
@@ -34,7 +34,7 @@ from collections.abc import Iterable, Mapping
 import torch
 import torch.distributed as dist
 
-from zerolite.comm import runtime
+from zerolite.ground import runtime
 
 __all__ = [
     "backends_of",

@@ -6,20 +6,20 @@ Forward, backward and step are visible to hooks on the model and optimizer. Buil
 announce themselves here, and sample memory at the points where it peaks (after each
 unit is initialised). With no tracker active every call is a loop over an empty list.
 
-The memory tools also run `zerolite.shard` itself, in a simulated world
-(`zerolite.memory.predict_peak`); it is a public face above them, so `zerolite.zero` passes
-it down here when it is imported (`provide_shard`), before any of them can run.
+Observers are objects handed in for the length of a ``with`` block (`observe`), never
+functions of a higher layer parked in a module global: the memory tools build a sharded
+model through `zerolite.assemble`, which is below them.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any, Protocol
 
 import torch
 
-__all__ = ["Observer", "built", "observe", "phase", "provide_shard", "sample", "shard_function"]
+__all__ = ["Observer", "built", "observe", "phase", "sample"]
 
 
 class Observer(Protocol):
@@ -66,18 +66,3 @@ def built(opt: Any) -> None:
     for observer in list(_observers):
         observer.built(opt)
 
-
-_shard: Callable[..., Any] | None = None
-
-
-def provide_shard(shard: Callable[..., Any]) -> None:
-    """Called once by `zerolite.zero` with `zerolite.shard`."""
-    global _shard
-    _shard = shard
-
-
-def shard_function() -> Callable[..., Any]:
-    """`zerolite.shard` (passed down by `zerolite.zero`, always imported with zerolite)."""
-    if _shard is None:
-        raise RuntimeError("zerolite.shard is not available: import zerolite")
-    return _shard

@@ -44,8 +44,8 @@ import zerolite.checkpoint
 from zerolite.checkpoint.pending_save import finish_in_flight_everywhere
 from zerolite.checkpoint.run_folders import RunFolders, move_into
 from zerolite.comm.consensus import agreed
-from zerolite.config_env import ALLOWED_DTYPES
 from zerolite.gathered import iter_full_state_dict
+from zerolite.ground.config_env import ALLOWED_DTYPES
 from zerolite.state.shard_state import state_of
 
 __all__ = [
@@ -164,8 +164,7 @@ class StateFolderMethods:
 
     def get_state_dict(self: Any, model: nn.Module, unwrap: bool = True) -> dict[str, torch.Tensor]:
         """Full (gathered, for stage 3) weights on every rank, on the CPU; parameters from
-        the fp32 masters in ``self.save_dtype`` (`zerolite.saving.weights_for_saving`).
-        Every rank must call."""
+        the fp32 masters in ``self.save_dtype`` (`weights_for_saving`). Every rank must call."""
         model = getattr(model, "_orig_mod", model)  # a torch.compile wrapper: its module
         return weights_for_saving(model, self.save_dtype, keep=True)
 

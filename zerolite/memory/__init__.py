@@ -15,13 +15,13 @@
 """
 
 from zerolite.memory.activations import checkpoint_blocks
+from zerolite.memory.budget import PlanEntry, plan
 from zerolite.memory.estimate import estimate
 from zerolite.memory.footprint import STATE_BYTES_PER_PARAM, MemoryBreakdown, footprint, formula
 from zerolite.memory.ledger import CATEGORIES
 from zerolite.memory.measure import measure_peak
-from zerolite.memory.plan import PlanEntry, plan
+from zerolite.memory.peak_report import PeakPrediction
 from zerolite.memory.predict import predict_peak
-from zerolite.memory.prediction import PeakPrediction
 from zerolite.memory.track import MemoryTracker, PhasePeak, track
 
 __all__ = [

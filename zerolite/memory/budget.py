@@ -39,8 +39,8 @@ from torch import nn
 
 from zerolite.config import ZeroConfig
 from zerolite.memory.loop import OptimizerChoice
+from zerolite.memory.peak_report import PeakPrediction, human_bytes
 from zerolite.memory.predict import predict_peak
-from zerolite.memory.prediction import PeakPrediction, human_bytes
 
 __all__ = ["PlanEntry", "plan"]
 

@@ -15,10 +15,10 @@ from typing import Any
 
 import torch
 
-from zerolite.comm import runtime
+from zerolite.ground import runtime
+from zerolite.memory.budget import PlanEntry, plan
 from zerolite.memory.commands import load_function
-from zerolite.memory.plan import PlanEntry, plan
-from zerolite.memory.prediction import human_bytes
+from zerolite.memory.peak_report import human_bytes
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40}

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch.futures import Future
 
-from zerolite.comm import runtime
+from zerolite.ground import runtime
 
 __all__ = ["BACKEND", "SimulatedProcessGroup", "SimulatedWorld", "simulated_world"]
 

@@ -62,9 +62,8 @@ import psutil
 import torch
 from torch.utils._pytree import tree_leaves
 
-from zerolite import phase_events
 from zerolite.checkpoint.staging import staging_bytes
-from zerolite.comm import runtime
+from zerolite.ground import phase_events, runtime
 from zerolite.memory.footprint import footprint, offload_label
 from zerolite.memory.live import LiveTensorBytes
 from zerolite.optim.sharded_optimizer import ShardedOptimizer, require_sharded_optimizer

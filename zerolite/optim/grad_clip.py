@@ -18,7 +18,7 @@ from collections.abc import Sequence
 import torch
 
 from zerolite.comm.collectives import Group
-from zerolite.comm.small_exchange import exchange_small
+from zerolite.comm.small_collectives import exchange_small
 from zerolite.params.flat_buffer import FlatParamBuffer
 from zerolite.plan.norm_tree import (
     RADIX,

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from zerolite.comm.collectives import Group
-from zerolite.comm.small_exchange import exchange_small
+from zerolite.comm.small_collectives import exchange_small
 
 __all__ = ["DynamicLossScaler"]
 

@@ -42,7 +42,7 @@ from typing import Any
 
 import torch
 
-from zerolite.comm import runtime
+from zerolite.ground import runtime
 from zerolite.plan.offload import MASTER
 from zerolite.state.master import MasterShard
 from zerolite.state.offload import OffloadTier

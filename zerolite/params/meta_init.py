@@ -57,10 +57,9 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import nn
 
-from zerolite import phase_events
-from zerolite.comm import runtime
 from zerolite.comm.collectives import Group
-from zerolite.comm.small_exchange import exchange_small
+from zerolite.comm.small_collectives import exchange_small
+from zerolite.ground import phase_events, runtime
 from zerolite.params.flat_buffer import FlatParamBuffer
 
 __all__ = [

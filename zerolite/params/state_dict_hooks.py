@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from zerolite.comm.small_exchange import exchange_small
+from zerolite.comm.small_collectives import exchange_small
 
 __all__ = ["StateDictHooks"]
 

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from zerolite.config import ZeroConfig
-from zerolite.config_env import ALLOWED_DTYPES
+from zerolite.ground.config_env import ALLOWED_DTYPES
 
 __all__ = [
     "check_meta_build",

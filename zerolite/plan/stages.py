@@ -4,7 +4,7 @@ Stages compose: stage 1 shards the optimizer state (fp32 masters and moments), s
 adds the gradients, stage 3 adds the parameters. Stage 0 is plain DDP, which shards
 nothing; only the memory estimator knows it. Code asks the table what a stage has
 (``STAGES[config.stage].shards_gradients``), never which stage it is, so
-`zerolite.zero` (the wiring), `zerolite.memory.estimate` and `zerolite.memory.formula`
+`zerolite.assemble` (the wiring), `zerolite.memory.estimate` and `zerolite.memory.formula`
 cannot disagree on it.
 """
 

@@ -25,8 +25,8 @@ from typing import Any
 
 import torch
 
-from zerolite.comm import runtime
 from zerolite.config import ZeroConfig
+from zerolite.ground import runtime
 from zerolite.plan.offload import MASTER, OffloadLayout, chunk_bytes_for
 from zerolite.state.arena import DiskArena, HostArena
 from zerolite.state.master import MasterShard
