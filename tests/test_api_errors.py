@@ -40,12 +40,12 @@ def _local_cases():
             pass
     # The estimator used to substitute AdamW for a name it did not know.
     with pytest.raises(
-        ValueError, match=r"no state layout known for optimizer 'lion'; use one of \['adagrad'"
+        ValueError, match=r"no state fields known for optimizer 'lion'; use one of \['adagrad'"
     ):
         zm.estimate(1_000_000, world_size=8, optimizer="lion")
-    with pytest.raises(ValueError, match=r"no state layout known for optimizer 'lion'"):
+    with pytest.raises(ValueError, match=r"no state fields known for optimizer 'lion'"):
         zm.estimate(_model(), world_size=8, optimizer="lion")
-    with pytest.raises(ValueError, match=r"no state layout known for optimizer 'adamax'"):
+    with pytest.raises(ValueError, match=r"no state fields known for optimizer 'adamax'"):
         zm.estimate(1_000_000, world_size=8, optimizer=torch.optim.Adamax(_model().parameters()))
     with pytest.raises(ValueError, match=r"the parameter count must be positive, got -5"):
         zm.estimate(-5, world_size=2)

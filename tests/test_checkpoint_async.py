@@ -47,7 +47,7 @@ from tests.test_checkpoint import (
 from zerolite import checkpoint as ckpt
 from zerolite.checkpoint import CheckpointError, PendingSave
 from zerolite.checkpoint.commit import FAULT_ENV, HOLD_ENV, LOCK_FILE, MARKER
-from zerolite.checkpoint.format import shard_file
+from zerolite.checkpoint.format import rank_file_name
 from zerolite.checkpoint.pending_save import in_flight
 from zerolite.checkpoint.staging import staging_area
 from zerolite.testing import RankFailure, run_ranks
@@ -98,7 +98,7 @@ def _held_save(root: str, stage: int) -> dict:
     out["latest"] = ckpt.latest(root).name
     area = staging_area(opt)
     out["area_bytes"] = area.nbytes
-    out["file_bytes"] = _file_data_bytes(root / "held" / shard_file(dist.get_rank(), 2))
+    out["file_bytes"] = _file_data_bytes(root / "held" / rank_file_name(dist.get_rank(), 2))
     fresh, fresh_opt, _ = build(NO_DROPOUT, stage, seed=1, rng_seed=555)
     out["extra"] = ckpt.load(root / "held", fresh, fresh_opt)
     out["loaded"] = snapshot(fresh, fresh_opt)
@@ -215,7 +215,7 @@ def test_background_write_error_is_raised_and_previous_checkpoint_kept():
         results = run_ranks(_unwritable_for_rank1, 2, str(root), timeout=120)
         latest = ckpt.latest(root)
         names = sorted(p.name for p in root.iterdir())
-    file = shard_file(1, 2)
+    file = rank_file_name(1, 2)
     for rank, out in enumerate(results):
         assert out["wait"] is not None, f"rank {rank}: wait() did not raise"
         assert "rank 1: writing" in out["wait"] and file in out["wait"], (rank, out["wait"])

@@ -35,7 +35,7 @@ from tests.test_checkpoint import CFG, differences, make_model, snapshot, train
 from zerolite import checkpoint as ckpt
 from zerolite.checkpoint import CheckpointError
 from zerolite.checkpoint.commit import HOLD_ENV
-from zerolite.checkpoint.format import shard_file
+from zerolite.checkpoint.format import rank_file_name
 from zerolite.testing import run_ranks
 
 TIMEOUT_S = 20.0  # ZeroConfig.timeout_s: a rank told nothing would wait this long
@@ -72,7 +72,7 @@ def _fill(root: Path) -> None:
 
 def _written(root: Path, rank: int) -> bool:
     """Whether ``rank``'s file of the save in flight is complete (as large as in ``good``)."""
-    name = shard_file(rank, 2)
+    name = rank_file_name(rank, 2)
     size = (root / "good" / name).stat().st_size
     return any(f.stat().st_size == size for f in root.glob(f".bad.tmp-*/{name}"))
 

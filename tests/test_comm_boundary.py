@@ -93,7 +93,7 @@ def test_collectives_are_called_only_in_the_communication_layer():
     }
     assert not outside, (
         f"torch.distributed collectives called outside zerolite/comm/: {outside}. Small "
-        "values go through zerolite.comm.small_collectives.exchange_small (it places them on "
+        "values go through zerolite.comm.small_collectives.small_collective (it places them on "
         "the group's communication device); a flat buffer's data through its exchange "
         "(zerolite.comm.exchange); other data tensors through zerolite.comm.collectives."
     )

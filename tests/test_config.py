@@ -114,7 +114,7 @@ def test_stages_compose():
     for stage, policy in STAGES.items():
         assert policy.stage == stage and ZeroConfig(stage=stage).stage == stage
         assert [getattr(policy, kind) for kind in kinds] == [i < stage for i in range(3)], stage
-        kept = policy.grad_dtype(torch.bfloat16, torch.float32)
+        kept = policy.kept_grad_dtype(torch.bfloat16, torch.float32)
         assert kept == (torch.float32 if policy.shards_gradients else torch.bfloat16)
 
 

@@ -106,7 +106,7 @@ def _nccl_group_of_one() -> dict:
 
 
 @pytest.mark.parametrize("backend", ["nccl", None])
-def test_nccl_group_of_one_places_small_exchanges_on_the_buffers_device(backend):
+def test_nccl_group_of_one_places_small_collectives_on_the_buffers_device(backend):
     out = run_ranks(_nccl_group_of_one, 1, backend=backend, timeout=300)[0]
     print(f"\n[gpu-check] backend={backend!r}: {out}")
     assert "nccl" in out["backend"][1], out
@@ -222,7 +222,7 @@ def _staging_check(device: torch.device) -> bool:
     with torch.cuda.device(device):
         torch.cuda._sleep(_sleep_cycles(0.2))  # the copies queue behind 0.2 s of work
     area = StagingArea()
-    area.stage({"x": x})
+    area.copy_in({"x": x})
     x.add_(1.0)  # an edit right after the call must not reach the staged bytes
     slot = area.slots[0]
     staged = area.buffer[slot.start : slot.end].view(torch.float32)
@@ -269,7 +269,7 @@ def test_pinned_buffers_are_exactly_their_size():
           f"{tier.arena.data.is_pinned()}), staging {measured.offload_staging} B for chunks of "
           f"{tier.chunk_bytes} B (pinned: {[t.is_pinned() for t in tier.staging]})")
     assert not tier.arena.data.is_pinned() and all(t.is_pinned() for t in tier.staging)
-    assert measured.offloaded == tier.layout.nbytes
+    assert measured.offloaded == tier.plan.nbytes
     assert measured.offload_staging == sum(t.numel() for t in tier.staging)
 
 

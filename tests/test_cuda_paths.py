@@ -11,7 +11,7 @@ gpu-check` runs them on one GPU; without CUDA they skip.
   bf16 training at stages 1-3 on each collectives path whose primitives gloo carries,
   against the recipe over 2 slices; a path it cannot carry is an expected failure.
 - The meta build at 2 ranks on the GPU: both ranks draw from rank 0's CPU and CUDA
-  generators (broadcast as a small exchange), rank 0 keeps the advanced states, rank 1 gets
+  generators (broadcast as a small collective), rank 0 keeps the advanced states, rank 1 gets
   its own back, and the parameters equal a normal build on the GPU.
 - Checkpoints: the CUDA generator of the model's device saved and restored at the same
   world size; an asynchronous save staged device-to-host through pinned memory while
@@ -141,7 +141,7 @@ def test_16_bit_training_on_one_gpu_matches_the_recipe(dtype):
 
 # ---------------------------------------------------------- gloo over CUDA tensors, 2 ranks
 
-# What each collectives path sends a flat buffer's chunks with (small exchanges run on the
+# What each collectives path sends a flat buffer's chunks with (small collectives run on the
 # CPU under gloo, `zerolite.comm.devices`).
 NEEDS = {"point_to_point": ("isend_irecv",),
          "native": ("reduce_scatter_tensor", "all_gather_into_tensor", "broadcast")}

@@ -1,4 +1,4 @@
-"""Where buffers and small exchanges live, and what a process group can carry (CPU side).
+"""Where buffers and small collectives live, and what a process group can carry (CPU side).
 
 `zerolite.comm.devices` decides from the group's device -> backend map, never from its name:
 
@@ -6,7 +6,7 @@
   ``init_process_group()`` (``"undefined"``; ``"cpu:gloo"`` here, ``"cuda:nccl"`` on a GPU
   machine) and a CUDA-only group (``"cuda:gloo"``, which refuses CPU tensors as NCCL does);
 - a backend-less group trains as a gloo group does, bit for bit (point-to-point exchanges,
-  small exchanges on the CPU), and a meta model materialises on its CPU;
+  small collectives on the CPU), and a meta model materialises on its CPU;
 - a CPU model with a group that carries no CPU tensors is refused at ``shard()`` with
   zerolite's message, on every rank, instead of failing deep inside torch;
 - the decisions for CUDA groups (NCCL, ``cpu:gloo,cuda:nccl``) as pure functions: what
@@ -51,7 +51,7 @@ def test_communication_device_follows_the_buffers_backend():
     assert communication_device(CUDA1, mixed) == CUDA1  # NCCL: the buffers' own device
     assert communication_device(CUDA1, {"cuda": "nccl"}) == CUDA1
     assert communication_device(CPU, mixed) == CPU
-    # gloo carries CUDA tensors slowly: small exchanges stay on the CPU, as before.
+    # gloo carries CUDA tensors slowly: small collectives stay on the CPU, as before.
     assert communication_device(CUDA1, {"cpu": "gloo", "cuda": "gloo"}) == CPU
     assert communication_device(CPU, {}) == CPU  # no process group
 

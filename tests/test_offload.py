@@ -38,7 +38,7 @@ from tests import parity
 from tests.memory_accounting import tier_bytes_held
 from zerolite import checkpoint as ckpt
 from zerolite.memory import estimate, footprint, track
-from zerolite.plan.offload import OffloadLayout
+from zerolite.plan.offload import OffloadPlan
 from zerolite.state.offload import check_offload
 from zerolite.state.shard_state import state_of
 from zerolite.testing import run_ranks
@@ -130,10 +130,10 @@ def _parity_and_accounting(where: str) -> list[dict]:
                 "unequal": [k for k in full if not torch.equal(full[k], off[k])],
                 "tier_bytes": tier_bytes_held(model),
                 "trained_elements": trained,
-                "offloaded_elements": sum(s.numel for s in tier.layout.slots),
+                "offloaded_elements": sum(s.numel for s in tier.plan.slots),
                 "shard_elements": sum(f.layout.shard_numel for f in opt.flats),
                 "split_pieces": any(s.numel * s.bytes_per_element > CHUNK_BYTES
-                                    for s in tier.layout.slots),
+                                    for s in tier.plan.slots),
                 "footprint_offloaded": off_full.offloaded,
                 "resident_drop": _resident(resident) - _resident(off_full),
                 "same_params_grads": (resident.params, resident.grads)
@@ -412,17 +412,17 @@ def test_config_from_environment(monkeypatch, tmp_path):
 def test_free_space_checked_against_the_exact_byte_count(tmp_path):
     config = zerolite.ZeroConfig(offload="disk", offload_dir=str(tmp_path))
     free = os.statvfs(tmp_path).f_bavail * os.statvfs(tmp_path).f_frsize
-    too_big = OffloadLayout("disk", (), (), free + 2**30, 0)
+    too_big = OffloadPlan("disk", (), (), free + 2**30, 0)
     with pytest.raises(ValueError, match=f"needs {free + 2**30} bytes"):
         check_offload(too_big, config, torch.device("cpu"))
-    check_offload(OffloadLayout("disk", (), (), 2**20, 0), config, torch.device("cpu"))
+    check_offload(OffloadPlan("disk", (), (), 2**20, 0), config, torch.device("cpu"))
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine can pin memory")
 def test_host_tier_for_cuda_needs_pinned_memory():
-    layout = OffloadLayout("host", (), (), 2**20, 0)
+    offload = OffloadPlan("host", (), (), 2**20, 0)
     with pytest.raises(ValueError, match="pinned host memory"):
-        check_offload(layout, zerolite.ZeroConfig(offload="host"), torch.device("cuda"))
+        check_offload(offload, zerolite.ZeroConfig(offload="host"), torch.device("cuda"))
 
 
 def test_formula_offload_line():

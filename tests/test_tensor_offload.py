@@ -69,7 +69,7 @@ def _train(name, dtype, data, **config) -> dict:
     out = {"losses": losses, "snapshot": _snapshot(model, opt)}
     tier = opt.shard_state.offload
     if tier is not None:
-        slots = tier.layout.slots
+        slots = tier.plan.slots
         out["slots"] = len(slots)
         out["pieces"] = len(list(opt.shard_state.pieces()))
         out["larger_than_chunk"] = sum(s.nbytes > CHUNK_BYTES for s in slots)

@@ -35,7 +35,7 @@ _SUBCOMMANDS: dict[str, tuple[str, str]] = {
         "zerolite.checkpoint.commands",
         "write a checkpoint as one plain safetensors file",
     ),
-    "verify": ("zerolite.checkpoint.commands", "check every shard file's size and sha256"),
+    "verify": ("zerolite.checkpoint.commands", "check every rank file's size and sha256"),
     "inspect": (
         "zerolite.checkpoint.commands",
         "summarise a checkpoint (world size, stage, step, ...)",

@@ -28,7 +28,7 @@ from zerolite.comm.hybrid import data_parallel_group, shard_group_size
 from zerolite.config import ZeroConfig
 from zerolite.optim.multi import MultiOptimizer, class_name, inner_optimizers
 from zerolite.optim.sharded_optimizer import check_not_sharded
-from zerolite.plan.offload import OffloadLayout, plan_offload
+from zerolite.plan.offload import OffloadPlan, plan_offload
 from zerolite.plan.quantization import describe_quantization
 from zerolite.plan.shard_plan import ShardPlan, plan_layout
 from zerolite.state.arena import DiskArena, HostArena
@@ -91,8 +91,8 @@ def agree_on_plan(
 
 def agree_on_offload(
     plan: ShardPlan, optimizer: torch.optim.Optimizer, config: ZeroConfig, group: Group
-) -> tuple[OffloadLayout | None, DiskArena | HostArena | None]:
-    """This rank's offload layout over its shard group, and its arena, reserved before
+) -> tuple[OffloadPlan | None, DiskArena | HostArena | None]:
+    """This rank's offload plan over its shard group, and its arena, reserved before
     anything changes (`reserve_arena`); a tier that cannot hold it (a bad
     directory, too little space) raises on every rank."""
     offload, arena = None, None

@@ -54,7 +54,7 @@ from zerolite.params.flat_buffer import FlatParamBuffer
 from zerolite.params.guard import guard_conversions
 from zerolite.params.meta_init import MetaBuild, check_before_first_forward, materialize
 from zerolite.params.unit_scheduler import UnitScheduler
-from zerolite.plan.offload import OffloadLayout
+from zerolite.plan.offload import OffloadPlan
 from zerolite.plan.owners import assign_owners
 from zerolite.plan.quantization import buffer_wires, skipped_parameters
 from zerolite.plan.shard_plan import ShardPlan
@@ -103,7 +103,7 @@ def _build(
     group: Group,
     plan: ShardPlan,
     layout_digest: str,
-    reserved: tuple[OffloadLayout | None, DiskArena | HostArena | None],
+    reserved: tuple[OffloadPlan | None, DiskArena | HostArena | None],
 ) -> tuple[ShardPlan, ShardedOptimizer]:
     """Every rank agreed: build, one step per concern (the module docstring). Returns the
     plan as built (owners assigned) and the optimizer."""
@@ -216,7 +216,7 @@ def _place_parameters(
 
 
 def _make_masters(
-    flats: list[FlatParamBuffer], config: ZeroConfig, group: Group, offload: OffloadLayout | None
+    flats: list[FlatParamBuffer], config: ZeroConfig, group: Group, offload: OffloadPlan | None
 ) -> list[MasterShard]:
     """The fp32 master of each trained buffer's shard; the first pieces of each are left to
     the offload tier. A quantized all-gather overwrites a replicated buffer's own shard, so
@@ -234,7 +234,7 @@ def _adopt_optimizer(
     optimizer: torch.optim.Optimizer,
     masters: list[MasterShard],
     plan: ShardPlan,
-    reserved: tuple[OffloadLayout | None, DiskArena | HostArena | None],
+    reserved: tuple[OffloadPlan | None, DiskArena | HostArena | None],
     config: ZeroConfig,
     group: Group,
 ) -> OffloadTier | None:
@@ -245,7 +245,7 @@ def _adopt_optimizer(
     if isinstance(optimizer, MultiOptimizer):
         optimizer.bind()
     repoint_optimizer(
-        optimizer, pieces_of(masters, optimizer.state), plan.group_of,
+        optimizer, pieces_of(masters, optimizer.state), plan.param_group_of,
         [p for _, p in plan.frozen],
     )
     offload, arena = reserved
@@ -266,7 +266,7 @@ def _wire_gradients(
     buckets = [
         GradBucket(
             flat,
-            full_dtype=policy.grad_dtype(config.param_dtype, config.grad_dtype),
+            full_dtype=policy.kept_grad_dtype(config.param_dtype, config.grad_dtype),
             shard_dtype=config.grad_dtype,
             keep_full=not policy.shards_gradients,
         )

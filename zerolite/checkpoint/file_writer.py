@@ -1,4 +1,5 @@
-"""Writing a safetensors file from raw bytes: the layout, the header, the hashed write.
+"""Writing a safetensors file from raw bytes: where each tensor lies, the header, the hashed
+write.
 
 safetensors' own writer (``safetensors.torch.save``) builds the whole file in one
 ``bytes`` object -- a second copy of everything it writes -- and a file is then read back
@@ -10,7 +11,7 @@ so every tensor starts at an offset aligned to its dtype; `StagingArea` relies o
 to view slices of one byte buffer as typed tensors.
 
 Offloaded optimizer state is not in memory: a `LazyTensor` gives its dtype and shape up
-front (for the layout and header) and reads its values only when written or staged, so
+front (for its byte range and the header) and reads its values only when written or staged, so
 a save holds one offloaded tensor at a time, never the whole tier.
 """
 
@@ -30,8 +31,8 @@ import torch
 from zerolite.checkpoint.commit import fault_point, hold_point
 
 __all__ = [
-    "SAFETENSORS_DTYPE", "LazyTensor", "Slot", "layout", "safetensors_header", "shard_chunks",
-    "write_shard",
+    "SAFETENSORS_DTYPE", "ByteRange", "LazyTensor", "byte_ranges", "data_blocks",
+    "safetensors_header", "write_file",
 ]
 
 SAFETENSORS_DTYPE = {
@@ -43,7 +44,7 @@ _BLOCK = 64 << 20  # bytes per write and hash update: large enough to stream, sm
 
 
 @dataclasses.dataclass(frozen=True)
-class Slot:
+class ByteRange:
     """Where one tensor lies in a file's data section: bytes ``[start, end)``."""
 
     key: str
@@ -60,7 +61,7 @@ class LazyTensor:
     Attributes:
         dtype, shape: of the values.
         read_into: fills a contiguous 1-D CPU tensor of ``dtype`` and ``numel()`` elements
-            (e.g. `zerolite.state.offload.OffloadTier.read_into` for one field of a slot).
+            (e.g. `zerolite.state.offload.OffloadTier.read_into` for one field of an offload slot).
     """
 
     dtype: torch.dtype
@@ -80,16 +81,17 @@ class LazyTensor:
         return out.view(self.shape)
 
 
-def layout(tensors: Mapping[str, torch.Tensor | LazyTensor]) -> list[Slot]:
-    """The data-section layout of ``tensors``: descending element size, then name."""
-    slots = []
+def byte_ranges(tensors: Mapping[str, torch.Tensor | LazyTensor]) -> list[ByteRange]:
+    """Where each of ``tensors`` lies in the file's data section: by descending element
+    size, then name."""
+    ranges = []
     offset = 0
     for key in sorted(tensors, key=lambda k: (-tensors[k].element_size(), k)):
         t = tensors[key]
         size = t.numel() * t.element_size()
-        slots.append(Slot(key, t.dtype, tuple(t.shape), offset, offset + size))
+        ranges.append(ByteRange(key, t.dtype, tuple(t.shape), offset, offset + size))
         offset += size
-    return slots
+    return ranges
 
 
 def safetensors_header(
@@ -115,27 +117,27 @@ def as_bytes(tensor: torch.Tensor) -> memoryview:
     return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
 
 
-def shard_chunks(
-    slots: list[Slot], tensors: Mapping[str, torch.Tensor | LazyTensor]
+def data_blocks(
+    ranges: list[ByteRange], tensors: Mapping[str, torch.Tensor | LazyTensor]
 ) -> Iterator[memoryview]:
-    """The data of ``slots`` in order, for `write_shard`: resident tensors as they are
+    """The data of ``ranges`` in order, for `write_file`: resident tensors as they are
     (contiguous CPU copies where they are not), each `LazyTensor` read only when its turn
     comes and released once written -- one lazy tensor's values in memory at a time."""
-    for slot in slots:
-        tensor = tensors[slot.key]
+    for extent in ranges:
+        tensor = tensors[extent.key]
         value = tensor.read() if isinstance(tensor, LazyTensor) else tensor
         yield as_bytes(value.contiguous().cpu())
-        del value, tensor  # written by now (write_shard asks for the next chunk after it)
+        del value, tensor  # written by now (write_file asks for the next chunk after it)
 
 
-def write_shard(
-    target: Path, slots: list[Slot], chunks: Iterable[memoryview], rank: int, metadata: dict
+def write_file(
+    target: Path, ranges: list[ByteRange], chunks: Iterable[memoryview], rank: int, metadata: dict
 ) -> tuple[int, str]:
-    """Write a safetensors file of ``slots`` whose data are ``chunks`` (in slot order, back
-    to back), fsync it, and return its (byte size, sha256 hex). ``rank`` names this rank
+    """Write a safetensors file of ``ranges`` whose data are ``chunks`` (in the ranges'
+    order, back to back), fsync it, and return its (byte size, sha256 hex). ``rank`` names this rank
     for the test-only fault points (`zerolite.checkpoint.commit`)."""
-    head = safetensors_header(((s.key, s.dtype, s.shape, s.start, s.end) for s in slots), metadata)
-    total = len(head) + (slots[-1].end if slots else 0)
+    head = safetensors_header(((s.key, s.dtype, s.shape, s.start, s.end) for s in ranges), metadata)
+    total = len(head) + (ranges[-1].end if ranges else 0)
     digest = hashlib.sha256(head)
     written = len(head)
     half = total // 2  # the test-only "writing" fault point sits here

@@ -37,10 +37,10 @@ from zerolite.checkpoint.format import (
 )
 from zerolite.checkpoint.json_codec import decode
 from zerolite.checkpoint.param_groups import (
-    check_groups,
     check_hyperparameters,
-    piece_groups,
-    saved_groups,
+    check_param_groups,
+    piece_param_groups,
+    saved_param_groups,
 )
 from zerolite.checkpoint.range_reader import PieceReader, RangeReader
 from zerolite.checkpoint.residual_fold import apply_residuals, read_residuals
@@ -252,7 +252,7 @@ def _load(
             _index_entries(path),
         ):
             _check_model(index, optimizer)
-            check_groups(saved_groups(index), current_groups, path)
+            check_param_groups(saved_param_groups(index), current_groups, path)
             planned_schedulers = plan_schedulers(index, schedulers, path)
             _read_optimizer_side(path, index, optimizer, read)
             _read_model_side(path, index, model, optimizer, read)
@@ -281,7 +281,7 @@ def _current_groups(optimizer: ShardedOptimizer) -> dict[str, int]:
     """The optimizer's ``{parameter name: param group}`` over every rank: each rank knows the
     group of only its own pieces."""
     current: dict[str, int] = {}
-    payload = json.dumps(piece_groups(optimizer)).encode()
+    payload = json.dumps(piece_param_groups(optimizer)).encode()
     for entry in all_gather_bytes(
         payload, optimizer.group.world, what="checkpoint.load() (param groups)"
     ):

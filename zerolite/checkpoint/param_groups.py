@@ -20,20 +20,22 @@ import torch
 
 from zerolite.checkpoint.format import CheckpointError
 
-__all__ = ["check_groups", "check_hyperparameters", "piece_groups", "saved_groups"]
+__all__ = [
+    "check_hyperparameters", "check_param_groups", "piece_param_groups", "saved_param_groups",
+]
 
 
-def piece_groups(opt: Any) -> dict[str, int]:
+def piece_param_groups(opt: Any) -> dict[str, int]:
     """``{parameter name: param group index}`` for the parameters with a piece on this rank."""
-    group_of = {id(t): g for g, group in enumerate(opt.param_groups) for t in group["params"]}
+    param_group_of = {id(t): g for g, group in enumerate(opt.param_groups) for t in group["params"]}
     out: dict[str, int] = {}
     for piece in opt.shard_state.pieces():
-        if id(piece.master) in group_of:
-            out[piece.name] = group_of[id(piece.master)]
+        if id(piece.master) in param_group_of:
+            out[piece.name] = param_group_of[id(piece.master)]
     return out
 
 
-def saved_groups(index: dict[str, Any]) -> dict[str, int]:
+def saved_param_groups(index: dict[str, Any]) -> dict[str, int]:
     """The checkpoint's ``{name: group}``: from every file's record, and (older checkpoints)
     from the parameter table, where rank 0 of the save knew it."""
     out = {p["name"]: p["group"] for p in index.get("params", []) if p.get("group") is not None}
@@ -42,12 +44,12 @@ def saved_groups(index: dict[str, Any]) -> dict[str, int]:
     return out
 
 
-def check_groups(saved: dict[str, int], current: dict[str, int], path: Any) -> None:
+def check_param_groups(saved: dict[str, int], current: dict[str, int], path: Any) -> None:
     """Raise unless every parameter is in the same group (by position) as at save.
 
     Args:
-        saved: the checkpoint's grouping (`saved_groups`).
-        current: the optimizer's grouping over all ranks (`piece_groups`, gathered).
+        saved: the checkpoint's grouping (`saved_param_groups`).
+        current: the optimizer's grouping over all ranks (`piece_param_groups`, gathered).
     Raises:
         CheckpointError: naming the moved parameters and both groupings.
     """

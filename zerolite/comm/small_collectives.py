@@ -1,6 +1,6 @@
-"""Small exchanges: flags, counters, norms, digests, generator states -- one helper.
+"""Small collectives: flags, counters, norms, digests, generator states -- one helper.
 
-`exchange_small` is the only way zerolite exchanges small values across ranks. It takes
+`small_collective` is the only way zerolite exchanges small values across ranks. It takes
 them on any device, copies them to the group's communication device (`Group.device`,
 decided by `zerolite.comm.devices`: the buffers' CUDA device on NCCL, the CPU on gloo), runs one
 collective there, waits ([Note: waits] in `zerolite.comm.collectives`), and returns the result
@@ -23,15 +23,15 @@ import torch.distributed as dist
 from zerolite.comm.collectives import Group, wait_for
 from zerolite.errors import RankMismatchError
 
-__all__ = ["SMALL_EXCHANGES", "all_gather_bytes", "exchange_small"]
+__all__ = ["SMALL_COLLECTIVES", "all_gather_bytes", "small_collective"]
 
-# What `exchange_small` can do: element-wise sum or max over ranks, a broadcast from one
+# What `small_collective` can do: element-wise sum or max over ranks, a broadcast from one
 # rank, or every rank's values stacked in rank order.
-SMALL_EXCHANGES = ("sum", "max", "broadcast", "all_gather")
+SMALL_COLLECTIVES = ("sum", "max", "broadcast", "all_gather")
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
 
 
-def exchange_small(
+def small_collective(
     values: torch.Tensor, group: Group, how: str, *, what: str, src: int = 0
 ) -> torch.Tensor:
     """Exchange ``values`` over ``group``; the result is a new tensor on the CPU.
@@ -49,12 +49,14 @@ def exchange_small(
         The exchanged values on the CPU (with one rank: a copy of ``values``, or
         ``values[None]`` for ``"all_gather"``).
     Raises:
-        ValueError: ``how`` is not one of `SMALL_EXCHANGES`.
+        ValueError: ``how`` is not one of `SMALL_COLLECTIVES`.
         zerolite.CollectiveTimeout: the exchange did not complete (another rank is not
             taking part).
     """
-    if how not in SMALL_EXCHANGES:
-        raise ValueError(f"exchange_small(): how={how!r}; allowed: {', '.join(SMALL_EXCHANGES)}")
+    if how not in SMALL_COLLECTIVES:
+        raise ValueError(
+            f"small_collective(): how={how!r}; allowed: {', '.join(SMALL_COLLECTIVES)}"
+        )
     if group.size == 1:  # nothing to exchange: no trip through the device either
         out = values.detach().to("cpu", copy=True)
         return out[None] if how == "all_gather" else out
@@ -65,8 +67,8 @@ def exchange_small(
 def run_small(
     wire: torch.Tensor, group: Group, how: str, *, what: str, src: int = 0
 ) -> torch.Tensor:
-    """`exchange_small`'s collective on ``wire`` (already on ``group.device``, modified in
-    place), at any group size; the result on the CPU. Only `exchange_small` and the GPU
+    """`small_collective`'s collective on ``wire`` (already on ``group.device``, modified in
+    place), at any group size; the result on the CPU. Only `small_collective` and the GPU
     checks (which have one GPU, so a group of one) call it."""
     with group.launching(f"zerolite::small_{how}", what):
         if how in _OPS:
@@ -81,7 +83,7 @@ def run_small(
 
 
 def all_gather_bytes(payload: bytes, group: Group, *, what: str) -> list[bytes]:
-    """Every rank's ``payload``, in rank order (two small exchanges; no pickle).
+    """Every rank's ``payload``, in rank order (two small collectives; no pickle).
 
     All ranks must call; payloads may differ in length. Each carries this exchange's
     sequence number: ranks out of lockstep raise `RankMismatchError` on every rank.
@@ -91,10 +93,10 @@ def all_gather_bytes(payload: bytes, group: Group, *, what: str) -> list[bytes]:
     sequence = group.next_sequence()
     framed = struct.pack("<Q", sequence) + payload
     length = torch.tensor([len(framed)], dtype=torch.int64)
-    lengths = exchange_small(length, group, "all_gather", what=what)[:, 0].tolist()
+    lengths = small_collective(length, group, "all_gather", what=what)[:, 0].tolist()
     data = torch.zeros(max(lengths), dtype=torch.uint8)
     data[: len(framed)] = torch.frombuffer(bytearray(framed), dtype=torch.uint8)
-    gathered = exchange_small(data, group, "all_gather", what=what)
+    gathered = small_collective(data, group, "all_gather", what=what)
     frames = [g[:n].numpy().tobytes() for g, n in zip(gathered, lengths)]
     sequences = [struct.unpack("<Q", f[:8])[0] if len(f) >= 8 else -1 for f in frames]
     if len(set(sequences)) > 1:

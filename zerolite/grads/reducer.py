@@ -51,7 +51,7 @@ import torch
 from torch import nn
 
 from zerolite.comm.collectives import Group
-from zerolite.comm.small_collectives import exchange_small
+from zerolite.comm.small_collectives import small_collective
 from zerolite.errors import RankMismatchError
 from zerolite.grads.bucket import GradBucket
 from zerolite.ground.compile_guard import not_compiled
@@ -193,7 +193,7 @@ class GradReducer:
                 torch.tensor([v for c in counters for v in (c, -c)]),
             ]).to(torch.int64)
             # Over every rank (hybrid: all replica groups too), since all of them reduce.
-            flags = exchange_small(
+            flags = small_collective(
                 local, self.group.world, "max", what="step()'s gradient agreement"
             )
             _check_lockstep(self.group, flags[-6:].tolist())

@@ -20,7 +20,7 @@ the same arithmetic, most expensive kinds first:
    with no weight for the slower link between groups. Its stage 1 and 2 send as many
    bytes as sharding over every rank (in a ring, the reduce-scatter and all-gather
    within the group and the all-reduce of the shard across groups add up to the
-   reduce-scatter and all-gather over all ranks; the small exchanges differ by a few
+   reduce-scatter and all-gather over all ranks; the small collectives differ by a few
    hundred bytes), its stage 3 fewer (parameters are gathered within the group); fewer of them cross
    between groups in every stage. It holds more per rank, so it ranks ahead only when it
    fits;

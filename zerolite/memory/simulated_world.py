@@ -11,7 +11,7 @@ once and whose answer is what ``N`` ranks holding *this rank's* values would agr
 - broadcast, gather, send, receive, reduce-scatter, all-to-all: buffers are left as they
   are (under the simulation they hold fake tensors, which have no values anyway).
 
-Small exchanges (the step's agreement, plan digests, counters) therefore carry real,
+Small collectives (the step's agreement, plan digests, counters) therefore carry real,
 self-consistent values -- every agreement holds, no rank is out of step -- while data
 tensors travel nowhere. The group also counts the bytes this rank would send, per
 collective as a ring or point-to-point exchange sends them (`SimulatedProcessGroup.sent`),
