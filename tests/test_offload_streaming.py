@@ -56,7 +56,7 @@ def _tier_contents(model) -> list[torch.Tensor]:
     tier = state_of(model).offload
     return [
         tier.read(i, field, 0, slot.numel)
-        for i, slot in enumerate(tier.layout.slots) for field, _, _ in slot.fields
+        for i, slot in enumerate(tier.plan.slots) for field, _, _ in slot.fields
     ]
 
 
@@ -84,9 +84,9 @@ def _rank(where: str, root: str) -> dict:
 
     out = {
         "save_peak": held_save.peak,
-        "largest_piece": max(s.numel * s.bytes_per_element for s in tier.layout.slots),
-        "tier_bytes": tier.layout.nbytes,
-        "pieces": len(tier.layout.slots),
+        "largest_piece": max(s.numel * s.bytes_per_element for s in tier.plan.slots),
+        "tier_bytes": tier.plan.nbytes,
+        "pieces": len(tier.plan.slots),
     }
     for label in ("sync", "async"):
         fresh, fresh_opt = _build(where)

@@ -174,7 +174,7 @@ def footprint(opt: ShardedOptimizer) -> MemoryBreakdown:
         residual=residual,
         ownership_imbalance=layout_imbalance([f.layout for f in opt.flats]),
         offloaded=0 if tier is None else tier.arena_bytes,
-        offload_tier=None if tier is None else tier.layout.tier,
+        offload_tier=None if tier is None else tier.plan.tier,
         offload_staging=0 if tier is None else tier.staging_bytes,
     )
 

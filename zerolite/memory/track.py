@@ -293,7 +293,7 @@ class MemoryTracker:
                         f"{self.staging / 1e6:.2f} MB")
         tier = None if self.opt is None else self.opt.shard_state.offload
         if tier is not None:
-            rows.append(f"{offload_label(tier.layout.tier)}: {self.offloaded / 1e6:.2f} MB")
+            rows.append(f"{offload_label(tier.plan.tier)}: {self.offloaded / 1e6:.2f} MB")
         return "\n".join(rows)
 
 
