@@ -11,11 +11,15 @@
   ``__init__``, ``__main__``, ``_version``.
 - No function is longer than 80 lines (from its ``def`` to its last line, docstring
   included): a longer one is cut into named steps.
+- The map stays true: every ``[Note: name]`` the code cites is written once and listed in
+  docs/design.md's index under its file, and every name the "Words" table points to exists.
 """
 
 from __future__ import annotations
 
 import ast
+import importlib
+import inspect
 import re
 from pathlib import Path
 
@@ -30,8 +34,9 @@ PACKAGE_FILES = frozenset({"__init__", "__main__", "_version"})
 
 
 def layers_from_design(text: str) -> tuple[tuple[str, frozenset[str]], ...]:
-    """The layer table of docs/design.md (the first table after "## Layers"), lowest first:
-    (layer name, the folders and top-level modules it holds, as ``comm`` or ``config``)."""
+    """The layer table of docs/design.md (the first table after "## Layers", written from the
+    top layer down), lowest first: (layer name, the folders and top-level modules it holds,
+    as ``comm`` or ``config``)."""
     section = text.split("\n## Layers\n", 1)[1]
     rows = []
     for line in section.split("\n"):
@@ -45,7 +50,7 @@ def layers_from_design(text: str) -> tuple[tuple[str, frozenset[str]], ...]:
         names = re.findall(r"`([\w.]+/?)`", cells[1])
         rows.append((cells[0], frozenset(n.removesuffix("/").removesuffix(".py") for n in names)))
     assert rows, "docs/design.md has no layer table under '## Layers'"
-    return tuple(rows)
+    return tuple(reversed(rows))
 
 
 LAYERS = layers_from_design(DESIGN.read_text())
@@ -330,3 +335,62 @@ def test_the_back_channel_check_sees_a_function_handed_down(tmp_path, monkeypatc
     path.write_text(source)
     monkeypatch.setitem(MODULES, "zerolite.cli", path)  # a face: above every layer
     assert bool(handed_down("zerolite.cli")) == flagged
+
+
+_NOTE = re.compile(r"\[Note: ([^\]]+)\]")
+
+
+def notes() -> tuple[dict[str, list[str]], set[str]]:
+    """Where each note is written (name -> files) and every name cited. A note is written
+    where a line opens with it (after ``#`` or ``\"\"\"``) and its text follows (not
+    ``in `module```, which cites it)."""
+    written: dict[str, list[str]] = {}
+    cited = set()
+    for path in MODULES.values():
+        for line in path.read_text().split("\n"):
+            for m in _NOTE.finditer(line):
+                cited.add(m.group(1))
+                opens = line[: m.start()].strip() in ("", "#", '"""')
+                follows = line[m.end():]
+                if opens and follows[:1] in (" ", "") and not follows.startswith(" in `"):
+                    written.setdefault(m.group(1), []).append(
+                        str(path.relative_to(PACKAGE)))
+    return written, cited
+
+
+def test_every_note_is_written_once_and_indexed_in_the_design_page():
+    written, cited = notes()
+    assert not {n: f for n, f in written.items() if len(f) > 1}, "notes written twice"
+    assert not cited - set(written), f"notes cited but never written: {cited - set(written)}"
+    index = dict(re.findall(r"^\| \[Note: ([^\]]+)\] \| `([^`]+)` \|", DESIGN.read_text(), re.M))
+    assert index == {n: f[0] for n, f in written.items()}, (
+        "docs/design.md's 'Notes in the code' differs from the code: "
+        f"{set(index.items()) ^ {(n, f[0]) for n, f in written.items()}}"
+    )
+
+
+def test_every_name_the_words_table_points_to_exists():
+    section = DESIGN.read_text().split("\n## Words\n", 1)[1].split("\n## ", 1)[0]
+    names = [
+        name for line in section.split("\n") if line.startswith("| **")
+        for name in re.findall(r"`([a-z_]+(?:\.[A-Za-z_]+)+)`", line.rsplit("|", 2)[-2])
+    ]
+    assert len(names) > 10, names
+    missing = []
+    for name in names:
+        parts = name.split(".")
+        for cut in range(len(parts), 0, -1):
+            module = ".".join(["zerolite", *parts[:cut]])
+            if module in MODULES:
+                obj = importlib.import_module(module)
+                try:
+                    for attr in parts[cut:]:
+                        obj = getattr(obj, attr)
+                except AttributeError:  # an instance attribute: set in the class's code
+                    set_here = re.search(rf"self\.{attr}\s*[:=]", inspect.getsource(obj))
+                    if not (inspect.isclass(obj) and set_here):
+                        missing.append(name)
+                break
+        else:
+            missing.append(name)
+    assert not missing, f"docs/design.md's Words name what the code no longer has: {missing}"

@@ -12,6 +12,8 @@
 - `plan(model_fn, batch_fn, world_size, memory, batch)`: the configurations that fit a
   budget, cheapest first (``zerolite plan``).
 - `checkpoint_blocks(model)`: activation checkpointing as the prediction means it.
+
+Its place among the layers (what it may import): docs/design.md, "Layers".
 """
 
 from zerolite.memory.activations import checkpoint_blocks
