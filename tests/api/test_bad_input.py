@@ -60,7 +60,7 @@ def _refused_optimizers():
         opt = build(model)
         before = _snapshot(model, opt)
         # The flat partition's allow-list; "auto" (the default) would own Adafactor, Muon and
-        # MyAdamW whole instead (tests/test_tensor_ownership.py).
+        # MyAdamW whole instead (tests/step/test_tensor_ownership.py).
         with pytest.raises(TypeError, match=type(opt).__name__) as info:
             zerolite.shard(model, opt, ZeroConfig(stage=2, partition="flat"))
         _assert_untouched(model, opt, before)

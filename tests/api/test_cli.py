@@ -24,12 +24,12 @@ from torch import nn
 
 import zerolite
 import zerolite.cli
-from tests import parity
+from tests.support import parity
 from zerolite import checkpoint as ckpt
 from zerolite.plan.optimizers import NAMED
 from zerolite.testing import run_ranks
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 COUNT = ("--params", "1e9", "--world-size", "2")
 
 
@@ -217,8 +217,8 @@ def test_estimate_model_spec_errors(capsys):
         "gpt2": "expected MODULE:FUNCTION",
         "nosuch.module:fn": "cannot import 'nosuch.module'",
         "examples.gpt:nosuch": "has no function 'nosuch'",
-        "tests.test_cli:_not_a_model": "returned int, not an nn.Module",
-        "tests.test_cli:_broken_model": "raised RuntimeError: needs a config file",
+        "tests.api.test_cli:_not_a_model": "returned int, not an nn.Module",
+        "tests.api.test_cli:_broken_model": "raised RuntimeError: needs a config file",
     }
     for spec, message in cases.items():
         _assert_one_line(_main(capsys, "estimate", "--model", spec, "--world-size", "2"),
@@ -242,7 +242,7 @@ def test_estimate_model_success(capsys):
     printed 3 significant digits: 5e-3 relative)."""
     psi = sum(p.numel() for p in parity.make_model().parameters())  # a real build, tied once
     for n, dtype, itemsize in ((2, "fp32", 4), (4, "bf16", 2)):
-        code, out, err = _main(capsys, "estimate", "--model", "tests.parity:make_model",
+        code, out, err = _main(capsys, "estimate", "--model", "tests.support.parity:make_model",
                                "--world-size", str(n), "--dtype", dtype)
         assert code == 0 and err == "", err
         lines = out.splitlines()

@@ -161,7 +161,7 @@ def test_every_environment_variable_is_documented_and_tested():
     (docs/training-loops.md, where ZeroConfig's precedence is explained)."""
     variables = {f.metadata["env"] for f in dataclasses.fields(ZeroConfig) if "env" in f.metadata}
     assert variables == set(ENV_CASES)
-    page = (Path(__file__).resolve().parent.parent / "docs" / "training-loops.md").read_text()
+    page = (Path(__file__).resolve().parents[2] / "docs" / "training-loops.md").read_text()
     assert [var for var in ENV_CASES if f"`{var}" not in page] == []
 
 

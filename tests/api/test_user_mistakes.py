@@ -1,21 +1,18 @@
-"""Small mistakes that zerolite used to answer with a raw error, a silent guess or a false
-diagnosis (issue 35, item 7); each now gets zerolite's own error, before anything changes,
-or the right answer.
+"""Small mistakes get zerolite's own error, before anything changes, or the right answer.
 
-- ``checkpoint.save()`` with a plain torch optimizer (was ``AttributeError``), with another
-  model's sharded optimizer (was ``KeyError``), with a different path on each rank (an
-  asynchronous save waited ``timeout_s``; item 4);
-- a checkpoint named ``latest``, or a ``latest`` directory in the root (``save`` raised after
-  the commit);
-- an ``object()`` in a param group (a false ``RankMismatchError``: its repr holds an address);
+- ``checkpoint.save()`` with a plain torch optimizer, with another model's sharded optimizer,
+  or with a different path on each rank (refused at once, not after ``timeout_s``);
+- a checkpoint named ``latest``, or a ``latest`` directory in the root (refused before the
+  save, not after its commit);
+- an ``object()`` in a param group (no false ``RankMismatchError`` from its repr's address);
 - ``zerolite inspect`` of a hybrid checkpoint names its replica groups;
-- ``zerolite estimate --offload-fraction`` without ``--offload`` (silently ignored);
+- ``zerolite estimate --offload-fraction`` without ``--offload`` (refused, not ignored);
 - a hand-edited, re-sealed index whose hyperparameter has the wrong kind (``betas: "oops"``)
   is refused at load, naming the key, with the optimizer unchanged;
 - ``shard()`` of a model whose trained parameters have mixed dtypes (a bf16 layer in an fp32
-  model), or are float64, without an explicit ``param_dtype`` (every parameter was cast to
-  fp32, silently) is refused on every rank with the model untouched (item 5); with
-  ``param_dtype`` set, the cast is what was asked for and happens.
+  model), or are float64, without an explicit ``param_dtype`` is refused on every rank with
+  the model untouched (nothing is cast to fp32 silently); with ``param_dtype`` set, the cast
+  is what was asked for and happens.
 """
 
 from __future__ import annotations
@@ -31,7 +28,7 @@ import torch.distributed as dist
 from torch import nn
 
 import zerolite
-from tests.test_cli import COUNT, _assert_one_line, _main
+from tests.api.test_cli import COUNT, _assert_one_line, _main
 from zerolite import checkpoint as ckpt
 from zerolite.checkpoint import CheckpointError
 from zerolite.checkpoint.format import INDEX, INDEX_DIGEST, index_digest_text

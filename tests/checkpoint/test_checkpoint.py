@@ -7,7 +7,7 @@ real safetensors:
 4. crash safety with injected SIGKILLs at each phase of `save`;
 5. bad input: clear errors on every rank, nothing changed.
 
-The model is the tiny GPT of `tests.parity` with dropout, a persistent buffer that
+The model is the tiny GPT of `tests.support.parity` with dropout, a persistent buffer that
 forward updates, a frozen layer, the tied head and two param groups, trained with AdamW.
 """
 
@@ -34,14 +34,16 @@ from torch import nn
 import zerolite
 import zerolite.cli
 from examples.gpt import GPT, GPTConfig
-from tests import parity
+from tests.support import parity
 from zerolite import checkpoint as ckpt
 from zerolite.checkpoint import CheckpointError
 from zerolite.checkpoint.commit import LOCK_FILE
 from zerolite.checkpoint.save import FAULT_ENV
 from zerolite.testing import RankFailure, RankTimeout, run_ranks
 
-ROOT = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.numerics  # `make test-kernels` runs it under other CPUs' kernels
+
+ROOT = Path(__file__).resolve().parents[2]
 CFG = GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=2, d_model=32, dropout=0.1)
 NO_DROPOUT = dataclasses.replace(CFG, dropout=0.0)  # for runs compared across world sizes
 FROZEN = "blocks.0.fc"

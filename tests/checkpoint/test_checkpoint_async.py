@@ -31,8 +31,7 @@ import torch.distributed as dist
 
 import zerolite
 import zerolite.cli
-from tests import parity
-from tests.test_checkpoint import (
+from tests.checkpoint.test_checkpoint import (
     CFG,
     NO_DROPOUT,
     _after_crash,
@@ -44,6 +43,7 @@ from tests.test_checkpoint import (
     snapshot,
     train,
 )
+from tests.support import parity
 from zerolite import checkpoint as ckpt
 from zerolite.checkpoint import CheckpointError, PendingSave
 from zerolite.checkpoint.commit import FAULT_ENV, HOLD_ENV, LOCK_FILE, MARKER
@@ -52,7 +52,7 @@ from zerolite.checkpoint.pending_save import in_flight
 from zerolite.checkpoint.staging import staging_area
 from zerolite.testing import RankFailure, run_ranks
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 # ---------------------------------------------------------------- 1-2. state at the call
 
@@ -238,7 +238,7 @@ KILLS = {
 
 
 def _async_then_crash(root: str, fault: str) -> str:
-    """The history `tests.test_checkpoint._after_crash` expects (step-1 saved after one
+    """The history `tests.checkpoint.test_checkpoint._after_crash` expects (step-1 saved after one
     step), then an asynchronous save of step 2 killed while training goes on."""
     model, opt, _ = build(CFG, stage=2)
     data = parity.batches(4, cfg=CFG)
@@ -366,7 +366,7 @@ def _trainer_async(root: str) -> dict:
     the two later steps changed."""
     from transformers import TrainerCallback
 
-    from tests import hf_trainer_cases as cases
+    from tests.support import hf_trainer_cases as cases
     from zerolite.hf import ZeroTrainer
 
     out = Path(root) / "trainer"

@@ -1,4 +1,4 @@
-"""An asynchronous save that fills the disk (issue 35, item 4), on a real full file system.
+"""An asynchronous save that fills the disk, on a real full file system.
 
 The checkpoint root is a small tmpfs, mounted in a private mount namespace (``unshare``: no
 mount is visible outside the test, and it goes away with it). A 2-rank job saves a good
@@ -30,8 +30,8 @@ import torch
 import torch.distributed as dist
 
 import zerolite
-from tests import parity
-from tests.test_checkpoint import CFG, differences, make_model, snapshot, train
+from tests.checkpoint.test_checkpoint import CFG, differences, make_model, snapshot, train
+from tests.support import parity
 from zerolite import checkpoint as ckpt
 from zerolite.checkpoint import CheckpointError
 from zerolite.checkpoint.commit import HOLD_ENV

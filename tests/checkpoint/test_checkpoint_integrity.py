@@ -26,8 +26,8 @@ import torch.distributed as dist
 from safetensors.torch import load_file
 
 import zerolite
-from tests import parity
-from tests.test_checkpoint import CFG, build, differences, make_model, snapshot, train
+from tests.checkpoint.test_checkpoint import CFG, build, differences, make_model, snapshot, train
+from tests.support import parity
 from zerolite import checkpoint as ckpt
 from zerolite.checkpoint import CheckpointError
 from zerolite.checkpoint.commit import LOCK_FILE, SaveLock

@@ -32,8 +32,8 @@ from torch import nn
 from torch.optim import lr_scheduler as L
 
 import zerolite
-from tests import parity
-from tests.test_checkpoint import NO_DROPOUT, build, differences, snapshot, train
+from tests.checkpoint.test_checkpoint import NO_DROPOUT, build, differences, snapshot, train
+from tests.support import parity
 from zerolite import checkpoint as ckpt
 from zerolite.checkpoint import load_pretrained
 from zerolite.checkpoint.json_codec import decode, encode

@@ -22,10 +22,10 @@ from safetensors import safe_open
 from torch.distributed.device_mesh import init_device_mesh
 
 import zerolite
-from tests import parity
-from tests.rank_reports import SMALL_BUCKETS_MB, guarded
-from tests.test_hybrid import TIMEOUT, K, N, R, _hybrid, _train_steps
-from tests.test_meta_init import _build as build_plain_gpt
+from tests.comm.test_hybrid import TIMEOUT, K, N, R, _hybrid, _train_steps
+from tests.stage3.test_meta_init import _build as build_plain_gpt
+from tests.support import parity
+from tests.support.rank_reports import SMALL_BUCKETS_MB, guarded
 from zerolite import ZeroConfig, checkpoint
 from zerolite.errors import RankMismatchError
 from zerolite.testing import run_ranks

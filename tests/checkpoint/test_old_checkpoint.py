@@ -24,7 +24,7 @@ from tests.data.make_old_checkpoint import CHECKPOINT, STEPS, build, train_step
 from zerolite.state.shard_state import state_of
 from zerolite.testing import run_ranks
 
-DATA = Path(__file__).resolve().parent / "data" / "old_checkpoint"
+DATA = Path(__file__).resolve().parents[1] / "data" / "old_checkpoint"
 
 
 def _differences(expected: dict[str, torch.Tensor], got: dict[str, torch.Tensor]) -> list[str]:

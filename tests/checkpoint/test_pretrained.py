@@ -11,7 +11,7 @@ from safetensors.torch import save_file
 
 import zerolite
 from examples.gpt import GPT
-from tests import parity
+from tests.support import parity
 from zerolite.checkpoint import CheckpointError, load_pretrained
 from zerolite.testing import run_ranks
 

@@ -1,8 +1,8 @@
-"""Error-feedback residuals load under another layout without losing what they owe
+"""Error-feedback residuals load under another setup without losing what they owe
 (`zerolite.checkpoint.residual_fold`; docs/hybrid-and-quantized.md, "Residuals across
-layouts"). One 4-rank launch; layouts at 2 ranks run on a process group of ranks 0-1.
+setups"). One 4-rank launch; setups at 2 ranks run on a process group of ranks 0-1.
 
-- What the residuals owe the mean gradient per element (`tests.checkpoint_contents.
+- What the residuals owe the mean gradient per element (`tests.support.checkpoint_contents.
   residual_mass`) is the saved one after a load at another world size -- 4 to 2 (folded),
   2 to 4 (repeated), hybrid 4 (k=2) to flat 2 (cross-node residuals moved into the shard
   group's) -- read from a save taken right after the load, up to fp32 rounding.
@@ -18,10 +18,10 @@ from pathlib import Path
 import torch.distributed as dist
 
 import zerolite
-from tests import parity
-from tests.checkpoint_contents import residual_mass
-from tests.rank_reports import guarded
-from tests.test_resume_matrix import _train
+from tests.checkpoint.test_resume_matrix import _train
+from tests.support import parity
+from tests.support.checkpoint_contents import residual_mass
+from tests.support.rank_reports import guarded
 from zerolite import checkpoint as ckpt
 from zerolite.testing import run_ranks
 

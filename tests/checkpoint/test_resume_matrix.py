@@ -1,20 +1,20 @@
-"""Resume across any change: a checkpoint saved under one accepted layout loads under any
-other (`tests.resume_matrix`: the axes -- world size 1/2/4, stage, partition, shard
+"""Resume across any change: a checkpoint saved under one accepted setup loads under any
+other (`tests.support.resume_matrix`: the axes -- world size 1/2/4, stage, partition, shard
 groups, offload on/off/fraction, quantization, parameter dtype, bucket size -- and the
 pairs).
 
-For each (save, load) pair, parity's tiny GPT trains 2 AdamW steps under the save layout
-and is saved, then 2 more steps (the uninterrupted run). Under the load layout a fresh
+For each (save, load) pair, parity's tiny GPT trains 2 AdamW steps under the save setup
+and is saved, then 2 more steps (the uninterrupted run). Under the load setup a fresh
 model loads it, is saved again at once, and trains the same 2 steps. Then, reading both
-checkpoints' files (`tests.checkpoint_contents`):
+checkpoints' files (`tests.support.checkpoint_contents`):
 
 - the fp32 masters and every optimizer state tensor, reassembled whole per parameter, are
-  equal bit for bit (AdamW's state is per element: both layouts hold every element);
+  equal bit for bit (AdamW's state is per element: both setups hold every element);
 - where both sides reduce quantized at more than one rank, the error-feedback residuals
   owe the mean gradient the same per element (up to fp32 rounding): nothing is reset;
-- the resumed losses are within the pair's rule (`tests.resume_matrix.loss_rule`).
+- the resumed losses are within the pair's rule (`tests.support.resume_matrix.loss_rule`).
 
-The whole matrix runs on one 4-rank launch: a layout at world size 1 or 2 runs on a process
+The whole matrix runs on one 4-rank launch: a setup at world size 1 or 2 runs on a process
 group of the first ranks (``ZeroConfig.process_group``), the others wait.
 """
 
@@ -28,11 +28,11 @@ import torch
 import torch.distributed as dist
 
 import zerolite
-from tests import parity
-from tests.checkpoint_contents import full_state, residual_mass
-from tests.mixed_recipe import TENSOR_TOL
-from tests.rank_reports import guarded
-from tests.resume_matrix import AXES, label, layouts, loss_rule, pairs
+from tests.support import parity
+from tests.support.checkpoint_contents import full_state, residual_mass
+from tests.support.mixed_recipe import TENSOR_TOL
+from tests.support.rank_reports import guarded
+from tests.support.resume_matrix import AXES, label, loss_rule, pairs, setups
 from zerolite import checkpoint as ckpt
 from zerolite.testing import run_ranks
 
@@ -47,18 +47,18 @@ TOLERANCE = {
 }
 
 
-def _config(layout: dict, tier: Path, group) -> zerolite.ZeroConfig:
-    where, _, fraction = (layout["offload"] or "").partition(":")
+def _config(setup: dict, tier: Path, group) -> zerolite.ZeroConfig:
+    where, _, fraction = (setup["offload"] or "").partition(":")
     if where == "disk":
         tier.mkdir(parents=True, exist_ok=True)
     return zerolite.ZeroConfig(
-        stage=layout["stage"], partition=layout["partition"],
-        param_dtype=torch.bfloat16 if layout["dtype"] == "bf16" else torch.float32,
-        bucket_size_mb=layout["bucket"], shard_group_size=layout["hybrid"],
+        stage=setup["stage"], partition=setup["partition"],
+        param_dtype=torch.bfloat16 if setup["dtype"] == "bf16" else torch.float32,
+        bucket_size_mb=setup["bucket"], shard_group_size=setup["hybrid"],
         offload=where or None, offload_fraction=float(fraction or 1.0),
         offload_dir=str(tier) if where == "disk" else None,
-        quantize_gather=layout["quantize"] == "both",
-        quantize_reduce=layout["quantize"] in ("reduce", "both"), process_group=group,
+        quantize_gather=setup["quantize"] == "both",
+        quantize_reduce=setup["quantize"] in ("reduce", "both"), process_group=group,
     )
 
 
@@ -85,22 +85,22 @@ def _rank(chosen: list[tuple[dict, dict]], root: str) -> dict:
     groups = {w: dist.new_group(list(range(w))) for w in (1, 2)} | {4: dist.group.WORLD}
     data = parity.batches(BEFORE + AFTER)
     rank, out = dist.get_rank(), {"straight": {}, "resumed": {}}
-    for i, (layout, _) in enumerate(chosen):
-        if rank < layout["world"]:
-            group = groups[layout["world"]]
+    for i, (setup, _) in enumerate(chosen):
+        if rank < setup["world"]:
+            group = groups[setup["world"]]
             model = parity.make_model()
             opt = zerolite.shard(model, parity.make_optimizer("AdamW", model),
-                                 _config(layout, Path(root) / f"tier{i}-save-r{rank}", group))
+                                 _config(setup, Path(root) / f"tier{i}-save-r{rank}", group))
             _train(model, opt, data[:BEFORE], group)
             ckpt.save(Path(root) / str(i) / "saved", model, opt)
             out["straight"][i] = _train(model, opt, data[BEFORE:], group)
     dist.barrier()  # every save complete before any load
-    for i, (_, layout) in enumerate(chosen):
-        if rank < layout["world"]:
-            group = groups[layout["world"]]
+    for i, (_, setup) in enumerate(chosen):
+        if rank < setup["world"]:
+            group = groups[setup["world"]]
             model = parity.make_model()
             opt = zerolite.shard(model, parity.make_optimizer("AdamW", model),
-                                 _config(layout, Path(root) / f"tier{i}-load-r{rank}", group))
+                                 _config(setup, Path(root) / f"tier{i}-load-r{rank}", group))
             ckpt.load(Path(root) / str(i) / "saved", model, opt)
             ckpt.save(Path(root) / str(i) / "resaved", model, opt)
             out["resumed"][i] = _train(model, opt, data[BEFORE:], group)
@@ -153,8 +153,9 @@ def _check(chosen: list[tuple[dict, dict]], root: Path) -> None:
 PAIRS = pairs()
 
 
-def test_a_checkpoint_loads_under_any_other_layout(tmp_path):
-    """Every value of every axis saved from and loaded into (`tests.resume_matrix.pairs`)."""
+def test_a_checkpoint_loads_under_any_other_setup(tmp_path):
+    """Every value of every axis saved from and loaded into
+    (`tests.support.resume_matrix.pairs`)."""
     assert 8 <= len(PAIRS) <= 16, len(PAIRS)
     for side in (0, 1):
         for axis, values in AXES.items():
@@ -165,8 +166,8 @@ def test_a_checkpoint_loads_under_any_other_layout(tmp_path):
 
 @pytest.mark.slow
 def test_more_pairs(tmp_path):
-    """`make test-matrix`: the same layouts, each also loaded three and four further along."""
-    chosen = layouts()
+    """`make test-matrix`: the same setups, each also loaded three and four further along."""
+    chosen = setups()
     n = len(chosen)
     _check([(chosen[i], chosen[(i + k) % n]) for k in (3, 4) for i in range(n)], tmp_path)
 

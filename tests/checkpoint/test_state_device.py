@@ -4,7 +4,7 @@ A 0-dim ``step`` stays on the CPU unless its group is fused or capturable (a ``s
 GPU costs a host sync per piece at every step of a resumed run); everything else goes to
 the master's device. The rule is checked with a master on the ``meta`` device (which a
 CPU machine can place tensors on), the plumbing (each piece knows its param group) and a
-real checkpoint round trip on 2 gloo ranks. On a GPU, ``tests/test_cuda.py`` checks
+real checkpoint round trip on 2 gloo ranks. On a GPU, ``tests/gpu/test_cuda.py`` checks
 ``step`` after a load.
 """
 
@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 import zerolite
-from tests import parity
+from tests.support import parity
 from zerolite import checkpoint as ckpt
 from zerolite.state.shard_state import state_of
 from zerolite.state.state_device import loaded_state, state_device

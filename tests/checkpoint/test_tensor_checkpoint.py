@@ -23,10 +23,12 @@ import torch
 import torch.distributed as dist
 
 import zerolite
-from tests import parity
-from tests.test_tensor_ownership import shard
+from tests.step.test_tensor_ownership import shard
+from tests.support import parity
 from zerolite import checkpoint as ckpt
 from zerolite.testing import run_ranks
+
+pytestmark = pytest.mark.numerics  # `make test-kernels` runs it under other CPUs' kernels
 
 SAVE_AT, TOTAL = 3, 5
 

@@ -1,5 +1,5 @@
 """Every feature crossed with every other: a pairwise set of configurations, each against the
-same run without its features (`tests.combination_matrix`: the axes, the refusals, the rule
+same run without its features (`tests.support.combination_matrix`: the axes, the refusals, the rule
 per feature), on one 4-rank gloo launch.
 
 Each configuration trains parity's tiny GPT with AdamW for 3 steps of 16 rows and is
@@ -31,13 +31,22 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 import zerolite
-from tests import parity
-from tests.combination_matrix import base, full_product, label, pairwise, rule, without_bitwise
-from tests.memory_accounting import tier_bytes_held
-from tests.mixed_recipe import TENSOR_TOL
-from tests.rank_reports import guarded
+from tests.support import parity
+from tests.support.combination_matrix import (
+    base,
+    full_product,
+    label,
+    pairwise,
+    rule,
+    without_bitwise,
+)
+from tests.support.memory_accounting import tier_bytes_held
+from tests.support.mixed_recipe import TENSOR_TOL
+from tests.support.rank_reports import guarded
 from zerolite import checkpoint as ckpt
 from zerolite.testing import run_ranks
+
+pytestmark = pytest.mark.numerics  # `make test-kernels` runs it under other CPUs' kernels
 
 WORLD = 4
 STEPS = 3

@@ -1,17 +1,18 @@
-"""The five features of issues 19-22 and async saves, combined (real gloo groups and files).
+"""Hybrid sharding, offload, whole-tensor ownership, quantized collectives and asynchronous
+saves, combined in depth (real gloo groups and files).
 
 Each combination that `shard()` accepts runs against the same run without the second
 feature; one 4-rank launch (hybrid) and one 2-rank launch run every case. Every case also
 observes each of its features at work, so that a feature silently dropped in a combination
 fails the test: the offload tier holds its bytes where it lives (`tier_bytes_held`) and the
 resident bytes drop by as much; quantized exchanges send uint8 messages and fewer bytes than
-unquantized training (`tests.comm_spy.exchanges`) and leave non-zero residuals; hybrid's
+unquantized training (`tests.support.comm_spy.exchanges`) and leave non-zero residuals; hybrid's
 exchange across replica groups ran (bytes across "nodes" of 2 ranks).
 
 1. hybrid sharding (k = 2 of 4) + offload ("host" and "disk", fraction 0.5), stage 2 bf16
    and stage 3 fp32, with clipping: losses and parameters bitwise those of hybrid in memory.
 2. hybrid (k = 2) + whole-tensor ownership, Muon + AdamW and Adafactor, stage 2, 4 steps (3
-   updates), against the single-process reference by `tests.parity`'s rule (per tensor and
+   updates), against the single-process reference by `tests.support.parity`'s rule (per tensor and
    per step within 2 x DDP's deviation), DDP's deviation taken over several summation orders
    of the same gradient: Muon orthogonalises in bf16, so the last-ulp difference another
    summation order makes in a gradient moves some update elements by a bf16 step, for DDP
@@ -40,17 +41,19 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests import parity
-from tests.comm_spy import CommSpy, exchanges
-from tests.loss_checks import worst_deviation
-from tests.memory_accounting import tier_bytes_held
-from tests.rank_reports import guarded
-from tests.test_offload import _build, _config, _full, _train
-from tests.test_tensor_ownership import oracle, shard
+from tests.offload.test_offload import _build, _config, _full, _train
+from tests.step.test_tensor_ownership import oracle, shard
+from tests.support import parity
+from tests.support.comm_spy import CommSpy, exchanges
+from tests.support.loss_checks import worst_deviation
+from tests.support.memory_accounting import tier_bytes_held
+from tests.support.rank_reports import guarded
 from zerolite import checkpoint as ckpt
 from zerolite.checkpoint.commit import HOLD_ENV
 from zerolite.memory import estimate, footprint
 from zerolite.testing import FootprintMismatch, assert_footprint, run_ranks
+
+pytestmark = pytest.mark.numerics  # `make test-kernels` runs it under other CPUs' kernels
 
 STEPS = 2
 TENSOR_STEPS = 4  # hybrid + "tensor": losses after 3 updates, not 1
@@ -69,7 +72,7 @@ def _bitwise(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
 
 def _observe(model, opt, spy: CommSpy) -> dict:
     """What the features of a run did, measured: bytes sent per exchange and link
-    (`tests.comm_spy.exchanges`, nodes of K ranks), the resident master + optimizer-state
+    (`tests.support.comm_spy.exchanges`, nodes of K ranks), the resident master + optimizer-state
     bytes and the tier's line (`footprint`), the bytes the tier holds where it lives
     (`tier_bytes_held`), and how many error-feedback residuals (within a shard group; across
     replica groups) hold non-zero values."""
@@ -276,8 +279,8 @@ def test_hybrid_with_offload_is_bitwise_hybrid_in_memory(four) -> None:
 
 def test_hybrid_with_tensor_ownership_matches_ddp(four) -> None:
     """Hybrid (k = 2 of 4) with whole-tensor ownership, Muon + AdamW and Adafactor, 4 steps
-    (3 updates), against the single-process reference by `tests.parity`'s rule, DDP's
-    deviation taken over its summation orders (`tests.test_tensor_ownership.oracle`): per
+    (3 updates), against the single-process reference by `tests.support.parity`'s rule, DDP's
+    deviation taken over its summation orders (`tests.step.test_tensor_ownership.oracle`): per
     tensor within max(2 x DDP's, 1e-6); Adafactor's losses per step within max(2 x DDP's
     largest over the run, 1e-6). Muon's losses are printed, not bounded: its bf16
     orthogonalisation turns each summation order's last-ulp gradient differences into

@@ -1,6 +1,6 @@
 """Communication volume per optimizer step: the ring's 2 (N-1)/N Psi, plus padding.
 
-Measured with `tests.comm_spy.CommSpy` on real gloo groups (world sizes 2 and 4), with
+Measured with `tests.support.comm_spy.CommSpy` on real gloo groups (world sizes 2 and 4), with
 padded and unpadded flat buffers, stages 1 and 2: the reduce-scatter and the all-gather
 each send (N-1) ceil(m / N) elements per bucket of m elements, plus one small flag
 all-reduce per step and nothing else. The expectation is computed here from the model's
@@ -17,9 +17,9 @@ import torch.distributed as dist
 
 import zerolite
 from examples.gpt import GPTConfig
-from tests import parity
-from tests.comm_spy import CommSpy
-from tests.rank_reports import SMALL_BUCKETS_MB, TIMEOUT, WORLD_SIZES, guarded
+from tests.support import parity
+from tests.support.comm_spy import CommSpy
+from tests.support.rank_reports import SMALL_BUCKETS_MB, TIMEOUT, WORLD_SIZES, guarded
 from zerolite import ZeroConfig
 from zerolite.testing import run_ranks
 

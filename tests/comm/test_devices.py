@@ -10,7 +10,7 @@
 - a CPU model with a group that carries no CPU tensors is refused at ``shard()`` with
   zerolite's message, on every rank, instead of failing deep inside torch;
 - the decisions for CUDA groups (NCCL, ``cpu:gloo,cuda:nccl``) as pure functions: what
-  only a GPU can run is in ``tests/test_cuda.py``;
+  only a GPU can run is in ``tests/gpu/test_cuda.py``;
 - ``run_ranks(backend="nccl")`` without a GPU per rank is refused in the caller.
 """
 
@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 import zerolite
-from tests import parity
+from tests.support import parity
 from zerolite.comm.collectives import Group
 from zerolite.comm.devices import (
     backends_of,

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 import zerolite
-from tests import parity
+from tests.support import parity
 from zerolite.testing import run_ranks
 
 TIMEOUT_S = 3.0  # zerolite's bound on each wait in these tests

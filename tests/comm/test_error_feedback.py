@@ -1,4 +1,4 @@
-"""Error feedback at the loss level (issue 22): `benchmarks/error_feedback_toy.py`'s
+"""Error feedback at the loss level: `benchmarks/error_feedback_toy.py`'s
 2-rank problem, where each block's scale is set by a loud element whose per-rank
 gradients cancel, so the other rank's quiet gradients round to zero in every exchange.
 
@@ -10,7 +10,11 @@ residual (not added, or not kept) would leave the error-feedback run where the o
 
 from __future__ import annotations
 
+import pytest
+
 from benchmarks.error_feedback_toy import SETTINGS, run
+
+pytestmark = pytest.mark.numerics  # `make test-kernels` runs it under other CPUs' kernels
 
 
 def test_error_feedback_reaches_the_optimum_that_plain_quantization_misses() -> None:

@@ -8,7 +8,7 @@ exits as Python does, tearing the process group down. Before the abort, an aband
 collective kept the group's worker thread busy until the group's own timeout, and the
 process hung at exit in the group's destructor for 30 minutes.
 
-The shapes are the stage-1 divergences of ``tests/test_divergence.py`` that used to hang at
+The shapes are the stage-1 divergences of ``tests/comm/test_divergence.py`` that used to hang at
 exit, in a loop that ends with a checkpoint as training scripts do: a rank that catches an
 exception raised in its last forward and moves on, one that skips its last ``step()``
 (both then save while the other rank steps: a `CollectiveTimeout` on both; a divergence
@@ -24,7 +24,7 @@ clock for every process of the machine), and the test watches the process from t
 it has exited. What the bound rules out is a process *waiting* after the error (the hang was
 the main thread blocked in the group's destructor, asleep): the test counts the time the
 process's main thread spends asleep (``S`` in ``/proc/<pid>/stat``) after it raised, and
-fails a process asleep for more than ``timeout_s`` + 10 s (the issue's bound). The wall
+fails a process asleep for more than ``timeout_s`` + 10 s (the promised bound). The wall
 time from the raise to the exit is reported too, and capped at `HARD_S`: on an idle machine
 exit follows the raise within about a second (the abandoned gloo operation ended within
 ``timeout_s`` of its launch, before the raise), but eight interpreters tearing torch down at
@@ -46,11 +46,11 @@ import torch
 import torch.distributed as dist
 
 import zerolite
-from tests import parity
+from tests.support import parity
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 3.0  # zerolite's bound on each wait
-EXIT_MARGIN_S = 10.0  # the issue's bound: every process exits within TIMEOUT_S + this
+EXIT_MARGIN_S = 10.0  # the promised bound: every process exits within TIMEOUT_S + this
 HARD_S = 120.0  # wall seconds after the raise: a process still alive then is hung anyway
 START_S = 180.0  # generous: six interpreters importing torch on a shared 2-core machine
 HOWS = ("forward_raises", "skip_step", "save_alone", "pg_shorter")
@@ -67,7 +67,7 @@ def _raise_bad_sample(module, args, output):
 
 
 def _loop(how: str, root: str) -> None:
-    """The divergent loop of ``tests/test_divergence.py`` at stage 1, ending with a save;
+    """The divergent loop of ``tests/comm/test_divergence.py`` at stage 1, ending with a save;
     raises a zerolite error on every rank (that test checks which and why)."""
     rank = dist.get_rank()
     model = parity.make_model()
@@ -126,7 +126,7 @@ def _launch(how: str, root: Path) -> list[tuple[subprocess.Popen, Path]]:
     for rank in range(2):
         out = root / f"rank{rank}.log"
         code = (
-            "from tests.test_exit_after_timeout import rank_main; "
+            "from tests.comm.test_exit_after_timeout import rank_main; "
             f"rank_main({rank}, {how!r}, {str(root)!r})"
         )
         with open(out, "w") as log:

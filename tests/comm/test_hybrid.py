@@ -1,11 +1,11 @@
 """Hybrid sharding (`zerolite.comm.hybrid`): 4 gloo ranks as 2 "nodes" x 2, k = 2.
 
 Two launches of 4 ranks; the ranks measure and the assertions run here (checkpoints and
-bad input: `tests.test_hybrid_checkpoint`).
+bad input: `tests.checkpoint.test_hybrid_checkpoint`).
 
 - Parity: stages 1-3 with gradient accumulation (``no_sync``) and clipping match DDP by
-  `tests.parity`'s metric in fp32, and the same-recipe bf16 reference
-  (`tests.mixed_recipe`) in bf16; fp16 with loss scaling and a step skipped for an overflow
+  `tests.support.parity`'s metric in fp32, and the same-recipe bf16 reference
+  (`tests.support.mixed_recipe`) in bf16; fp16 with loss scaling and a step skipped for an overflow
   on one rank (stages 2-3) the fp16 recipe. A 2-D ``DeviceMesh`` gives bitwise the results
   of k = 2.
 - Links: per step and rank, nothing is sent point-to-point across nodes; the gradient
@@ -29,14 +29,16 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.nn.parallel import DistributedDataParallel
 
 import zerolite
-from tests import parity
-from tests.comm_spy import CommSpy, link_elements
-from tests.mixed_recipe import POISONED, TENSOR_TOL, mixed_reference, single_thread
-from tests.parity import loss_deviations
-from tests.rank_reports import SMALL_BUCKETS_MB, guarded, new_report, record_parity
+from tests.support import parity
+from tests.support.comm_spy import CommSpy, link_elements
+from tests.support.mixed_recipe import POISONED, TENSOR_TOL, mixed_reference, single_thread
+from tests.support.parity import loss_deviations
+from tests.support.rank_reports import SMALL_BUCKETS_MB, guarded, new_report, record_parity
 from zerolite import ZeroConfig
 from zerolite.memory import estimate, footprint, formula
 from zerolite.testing import run_ranks
+
+pytestmark = pytest.mark.numerics  # `make test-kernels` runs it under other CPUs' kernels
 
 N, K = 4, 2
 R = N // K
@@ -248,7 +250,7 @@ def test_parity_bf16_stages_1_to_3(parity_run):
 def test_fp16_loss_scaling_with_hybrid(parity_run):
     """fp16 parameters with zerolite's loss scaling, stages 2-3, hybrid (k = 2 of 4) and flat,
     an inf on rank 1 alone at FP16_OVERFLOW: the step is skipped on every rank and the scale
-    halves, as in the hand-written fp16 recipe (`tests.mixed_recipe.mixed_reference`:
+    halves, as in the hand-written fp16 recipe (`tests.support.mixed_recipe.mixed_reference`:
     unscaled in fp32, clipped, skipped on overflow); every rank holds the same parameters.
     Per tensor within max(2 x the recipe's own data-parallel noise, TENSOR_TOL) of the
     recipe (the noise: the recipe over N slices against the recipe over the whole batch; it

@@ -23,6 +23,8 @@ from zerolite.memory import formula
 from zerolite.plan.layout import FlatLayout
 from zerolite.plan.quantization import wire_format
 
+pytestmark = pytest.mark.numerics  # `make test-kernels` runs it under other CPUs' kernels
+
 BLOCK = 64
 
 

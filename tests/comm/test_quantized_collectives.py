@@ -30,10 +30,10 @@ import torch.distributed as dist
 
 import zerolite
 from examples.gpt import GPT, GPTConfig, random_batch
-from tests import parity
-from tests.checkpoint_contents import residual_mass
-from tests.comm_spy import CommSpy, exchanges
-from tests.loss_checks import worst_deviation
+from tests.support import parity
+from tests.support.checkpoint_contents import residual_mass
+from tests.support.comm_spy import CommSpy, exchanges
+from tests.support.loss_checks import worst_deviation
 from zerolite import ZeroConfig
 from zerolite import checkpoint as ckpt
 from zerolite.comm.codec import ChunkCodec
@@ -43,6 +43,8 @@ from zerolite.plan.layout import FlatLayout
 from zerolite.plan.quantization import wire_format
 from zerolite.state.shard_state import state_of
 from zerolite.testing import FootprintMismatch, assert_footprint, run_ranks
+
+pytestmark = pytest.mark.numerics  # `make test-kernels` runs it under other CPUs' kernels
 
 BLOCK = 64
 TIMEOUT = 120.0

@@ -10,7 +10,7 @@ gloo groups.
   reaches every replica as a NaN block, and the residuals stay finite.
 - Bytes per rank and step across nodes (4 ranks as 2 "nodes" of 2, k = 2, stage 2):
   quantized <= 0.27x of fp32 and <= 0.53x of bf16 unquantized, within the node too.
-- Training at 4 ranks, k = 2 (stages 2 and 3), in tests/test_feature_combinations.py.
+- Training at 4 ranks, k = 2 (stages 2 and 3), in tests/combinations/test_feature_combinations.py.
 - Checkpoints at 4 ranks, k = 2: a resume continues bit for bit (every replica's
   residuals of both kinds restored, the second replica group's through the first's
   files); zeroing them at the load changes the run (so the test can fail); a load at
@@ -22,15 +22,16 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
 import torch
 import torch.distributed as dist
 
 import zerolite
 from examples.gpt import GPT, GPTConfig, random_batch
-from tests import parity
-from tests.checkpoint_contents import residual_mass
-from tests.comm_spy import CommSpy, link_bytes
-from tests.test_quantized_collectives import BLOCK, _bound
+from tests.comm.test_quantized_collectives import BLOCK, _bound
+from tests.support import parity
+from tests.support.checkpoint_contents import residual_mass
+from tests.support.comm_spy import CommSpy, link_bytes
 from zerolite import ZeroConfig
 from zerolite import checkpoint as ckpt
 from zerolite.comm.collectives import Group, Pending
@@ -41,6 +42,8 @@ from zerolite.comm.quantized_replicas import (
 from zerolite.plan.layout import FlatLayout
 from zerolite.plan.quantization import replica_wire
 from zerolite.testing import run_ranks
+
+pytestmark = pytest.mark.numerics  # `make test-kernels` runs it under other CPUs' kernels
 
 TIMEOUT = 120.0
 

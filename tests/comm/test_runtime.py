@@ -12,7 +12,7 @@
   the CPU's events and forked generators, and host buffers that stay pageable without CUDA.
 
 What only a GPU runs (events on a CUDA stream, CUDA generator states, the allocator's
-peaks, cudaHostRegister) is in ``tests/test_cuda.py`` and ``tests/test_cuda_paths.py``.
+peaks, cudaHostRegister) is in ``tests/gpu/test_cuda.py`` and ``tests/gpu/test_cuda_paths.py``.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import torch
 from zerolite.ground import runtime
 from zerolite.state.pinned import host_buffer
 
-PACKAGE = Path(__file__).resolve().parent.parent / "zerolite"
+PACKAGE = Path(__file__).resolve().parents[2] / "zerolite"
 RUNTIME = PACKAGE / "ground" / "runtime.py"
 
 
@@ -211,7 +211,7 @@ def test_generators_on_the_cpu():
 
 def test_host_buffers_stay_pageable_without_cuda():
     if runtime.pinning_supported():
-        pytest.skip("CUDA here: tests/test_cuda.py checks pinned buffers")
+        pytest.skip("CUDA here: tests/gpu/test_cuda.py checks pinned buffers")
     assert runtime.register_host(0, 16) is False  # no runtime call is made
     buffer = host_buffer(1000, pinned=True)
     assert buffer.untyped_storage().nbytes() == 1000 and not buffer.is_pinned()

@@ -4,7 +4,7 @@
 1. The exchanges themselves (`zerolite.comm.quantized_owned`), both collectives paths, for
    uneven owned chunks and for a rank that owns nothing: the gather leaves every rank, the
    owner included, with the same values, each within its block's bound (the flat bound:
-   half a quantization step, `tests.test_quantized_collectives._bound`), raw parameters
+   half a quantization step, `tests.comm.test_quantized_collectives._bound`), raw parameters
    exact; the reduce is within the bound of the exact mean, and error feedback makes the
    mean of repeated exchanges converge to it. On the point-to-point path every message
    is its owner's own size: ``4 ceil(q / B)`` scale bytes, ``4 r`` raw bytes and ``q``
@@ -28,11 +28,11 @@ import torch
 import torch.distributed as dist
 
 import zerolite
-from tests import parity
-from tests.comm_spy import CommSpy, exchanges
-from tests.loss_checks import worst_deviation
-from tests.test_quantized_collectives import _bound, _wire_ratio_bound
-from tests.test_tensor_ownership import BUILDERS
+from tests.comm.test_quantized_collectives import _bound, _wire_ratio_bound
+from tests.step.test_tensor_ownership import BUILDERS
+from tests.support import parity
+from tests.support.comm_spy import CommSpy, exchanges
+from tests.support.loss_checks import worst_deviation
 from zerolite import checkpoint as ckpt
 from zerolite.checkpoint.residuals import residual_tensors
 from zerolite.comm.collectives import Group

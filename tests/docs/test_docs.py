@@ -1,7 +1,7 @@
 """Every Python block of the README and the docs site runs, and the troubleshooting page
 names every exception type zerolite raises.
 
-tests/docs_blocks.py says how blocks run, which markers exist and why this is an in-repo
+tests/support/docs_blocks.py says how blocks run, which markers exist and why this is an in-repo
 collector rather than pytest-markdown-docs, pytest-examples or mktestdocs. ``mkdocs build
 --strict`` (run by ``make test`` before pytest) checks the rest of the docs: links, anchors,
 and that every public name is on an API reference page with a docstring.
@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.docs_blocks import (
+from tests.support.docs_blocks import (
     ROOT,
     Block,
     collect,

@@ -1,12 +1,12 @@
 """`make gpu-check`: everything one GPU can check, in one command, as one pass/fail table.
 
-    python tests/gpu_check.py --out gpu-check-results
+    python tests/gpu/gpu_check.py --out gpu-check-results
 
 Run from the repository root by the Python that has a CUDA torch (on the lent GPU machine
 its plain ``python3``: nothing is installed, the package is imported from the tree). Steps,
 each a row group of the table:
 
-1. ``pytest -m cuda tests``: ``tests/test_cuda.py`` and ``tests/test_cuda_paths.py`` (world
+1. ``pytest -m cuda tests``: ``tests/gpu/test_cuda.py`` and ``tests/gpu/test_cuda_paths.py`` (world
    size 1 on NCCL; world size 2 with gloo over CUDA tensors on the one GPU), one row per
    test from pytest's JUnit XML, their measurements in ``pytest.log``;
 2. ``benchmarks/step_time.py --device cuda --world-size 1 --rounds 1``: ``step_time.txt``;
@@ -33,7 +33,7 @@ import xml.etree.ElementTree as ET
 from collections.abc import Sequence
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 # What the CUDA tests and benchmarks import (distribution names as imported).
 REQUIRED = ("torch", "pytest", "safetensors", "psutil", "accelerate", "transformers")
 # Seconds per step: under 10 minutes in all, the device machine's limit for one command.

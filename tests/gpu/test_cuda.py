@@ -26,9 +26,9 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 import zerolite
-from tests import parity
-from tests.rank_reports import check_reports, guarded, new_report, record_parity
-from tests.test_meta_init import PlainGPT
+from tests.stage3.test_meta_init import PlainGPT
+from tests.support import parity
+from tests.support.rank_reports import check_reports, guarded, new_report, record_parity
 from zerolite import ZeroConfig
 from zerolite import checkpoint as ckpt
 from zerolite.checkpoint.staging import StagingArea

@@ -1,10 +1,10 @@
-"""The CUDA paths of the issue's list that ``tests/test_cuda.py`` does not cover: `make
-gpu-check` runs them on one GPU; without CUDA they skip.
+"""The CUDA paths that ``tests/gpu/test_cuda.py`` does not cover (docs/limits.md, "Validated
+where"): `make gpu-check` runs them on one GPU; without CUDA they skip.
 
 - 16-bit training on the GPU against the hand-written mixed-precision recipe run on the same
-  GPU (`tests.mixed_recipe.mixed_reference` with ``device="cuda"``: same kernels, same
+  GPU (`tests.support.mixed_recipe.mixed_reference` with ``device="cuda"``: same kernels, same
   rounding): stages 1-3, bf16 and fp16 (dynamic loss scaling, clipping, an overflow forced at
-  step 3), world size 1 on NCCL, judged by `tests.recipe_checks.stage_failures`.
+  step 3), world size 1 on NCCL, judged by `tests.support.recipe_checks.stage_failures`.
 - World size 2 with gloo over CUDA tensors, both ranks on the one GPU: which
   ``torch.distributed`` primitives gloo carries for CUDA tensors here (each probed in its own
   launch, its values checked; a primitive gloo lacks is an expected failure naming it), then
@@ -31,10 +31,10 @@ import torch
 import torch.distributed as dist
 
 import zerolite
-from tests import parity
-from tests.mixed_recipe import POISONED, SMALL_BUCKETS_MB, mixed_reference, single_thread
-from tests.recipe_checks import stage_failures
-from tests.test_meta_init import PlainGPT
+from tests.stage3.test_meta_init import PlainGPT
+from tests.support import parity
+from tests.support.mixed_recipe import POISONED, SMALL_BUCKETS_MB, mixed_reference, single_thread
+from tests.support.recipe_checks import stage_failures
 from zerolite import ZeroConfig
 from zerolite import checkpoint as ckpt
 from zerolite.checkpoint.staging import staging_area

@@ -1,4 +1,4 @@
-"""The `make gpu-check` runner (`tests/gpu_check.py`) on the CPU: its table from pytest's
+"""The `make gpu-check` runner (`tests/gpu/gpu_check.py`) on the CPU: its table from pytest's
 own JUnit XML (every outcome pytest writes), the Markdown it writes, the exit status, what
 it says without a GPU (exit 0) and where a package is missing (exit 2, naming it)."""
 
@@ -11,8 +11,8 @@ import textwrap
 import pytest
 import torch
 
-from tests import gpu_check
-from tests.gpu_check import Row, junit_rows, markdown
+from tests.gpu import gpu_check
+from tests.gpu.gpu_check import Row, junit_rows, markdown
 
 OUTCOMES = textwrap.dedent('''
     import pytest

@@ -1,4 +1,4 @@
-"""`tests.loss_checks` refuses what a bare ``zip`` and ``max`` let pass."""
+"""`tests.support.loss_checks` refuses what a bare ``zip`` and ``max`` let pass."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from tests.loss_checks import within, worst_deviation
+from tests.support.loss_checks import within, worst_deviation
 
 
 def test_a_truncated_or_empty_list_is_refused():

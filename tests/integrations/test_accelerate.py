@@ -1,6 +1,6 @@
 """ZeroAccelerator under real `accelerate launch` runs (2 CPU processes), batched.
 
-The loops are in tests/accelerate_cases.py; each launch runs several cases and rank 0
+The loops are in tests/support/accelerate_cases.py; each launch runs several cases and rank 0
 writes their full parameters (safetensors) and per-rank info (JSON).
 """
 
@@ -22,11 +22,13 @@ from safetensors.torch import load_file
 
 import zerolite
 from examples.gpt import GPT
-from tests import accelerate_cases as cases
-from tests import parity
+from tests.support import accelerate_cases as cases
+from tests.support import parity
 from zerolite.testing import run_ranks
 
-ROOT = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.numerics  # `make test-kernels` runs it under other CPUs' kernels
+
+ROOT = Path(__file__).resolve().parents[2]
 ACCELERATE = Path(sys.executable).parent / "accelerate"
 CPU_CONFIG = ROOT / "examples" / "accelerate" / "cpu_2proc.yaml"
 
@@ -35,7 +37,7 @@ def _launch(out: Path, *names: str, extra_args: tuple[str, ...] = (), config: Pa
             background: bool = False) -> subprocess.Popen | None:
     env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}
     cmd = [str(ACCELERATE), "launch", "--config_file", str(config), *extra_args,
-           str(ROOT / "tests" / "accelerate_cases.py"), str(out), *names]
+           str(ROOT / "tests" / "support" / "accelerate_cases.py"), str(out), *names]
     proc = subprocess.Popen(
         cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
@@ -189,7 +191,7 @@ def test_bf16_mixed_precision_keeps_fp32_params_under_accelerates_autocast(runs)
         assert info["master_dtypes"] == ["torch.float32"]
     _, fp32_infos = _result(runs, "stage2")
     # bf16 training follows the fp32 loss curve: a sanity bound, not parity (that is
-    # tests/test_stock_loops.py's, against the stock bf16 loop). bf16 matmuls round to
+    # tests/integrations/test_stock_loops.py's, against the stock bf16 loop). bf16 matmuls round to
     # 2^-9 relative; CPUs' kernel families move these losses by ~1e-5, far inside 2e-2.
     vs_fp32 = parity.loss_deviations(infos[0]["losses"], fp32_infos[0]["losses"])
     assert all(d <= 2e-2 for d in vs_fp32), vs_fp32  # NaN fails
@@ -231,7 +233,7 @@ def test_two_launches_as_two_nodes_match_one_launch(runs, tmp_path):
 def test_launch_that_disagrees_with_accelerate_fails_clearly(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "ACCELERATE_USE_CPU"}
     cmd = [str(ACCELERATE), "launch", "--config_file", str(CPU_CONFIG),
-           str(ROOT / "tests" / "accelerate_cases.py"), str(tmp_path), "stage2"]
+           str(ROOT / "tests" / "support" / "accelerate_cases.py"), str(tmp_path), "stage2"]
     result = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode != 0
     assert "ACCELERATE_USE_CPU=1" in result.stdout + result.stderr
@@ -268,7 +270,7 @@ def _setup_rank(root: str) -> dict:
     os.environ["ACCELERATE_USE_CPU"] = "1"
     from accelerate import Accelerator
 
-    from tests.test_checkpoint import differences, pieces
+    from tests.checkpoint.test_checkpoint import differences, pieces
     from zerolite.accelerate import setup
 
     data = parity.batches(cases.STEPS)

@@ -1,6 +1,6 @@
-"""ZeroTrainer against the stock Trainer under DDP (zerolite.hf, project issue 17).
+"""ZeroTrainer against the stock Trainer under DDP (zerolite.hf).
 
-Two launches: everything at 2 ranks (tests/hf_trainer_cases.py), then a resume of the same
+Two launches: everything at 2 ranks (tests/support/hf_trainer_cases.py), then a resume of the same
 checkpoint at 1 rank. A tiny LlamaForCausalLM built from a config, nothing downloaded.
 Oracle: the stock ``Trainer`` (DDP) with the same seed and global batch.
 """
@@ -17,9 +17,11 @@ import torch
 
 pytest.importorskip("transformers")
 
-from tests import hf_trainer_cases as cases
-from tests.parity import loss_deviations
+from tests.support import hf_trainer_cases as cases
+from tests.support.parity import loss_deviations
 from zerolite.testing import run_ranks
+
+pytestmark = pytest.mark.numerics  # `make test-kernels` runs it under other CPUs' kernels
 
 # ZeroTrainer against DDP's Trainer directly. At 2 ranks the reduced gradients are DDP's bit
 # for bit (a + b == b + a, on every kernel family: both runs use this CPU's kernels on the

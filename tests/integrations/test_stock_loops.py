@@ -1,6 +1,6 @@
 """The loop shapes of transformers' example scripts, at stages 1-3, fp32 and bf16.
 
-Rank bodies in tests/stock_loop_cases.py (their docstring lists the shapes). What must hold:
+Rank bodies in tests/support/stock_loop_cases.py (their docstring lists the shapes). What must hold:
 
 - ``save_state`` of ``step_N`` on two consecutive micro-steps replaces the folder (this
   run's), as stock Accelerate does; a resumed run replaces later folders of the run it
@@ -20,7 +20,7 @@ Rank bodies in tests/stock_loop_cases.py (their docstring lists the shapes). Wha
   predicts on one process from the saved model what the gathered predictions said.
 - ZeroTrainer with ``torch_compile`` (stage 3) trains the model compiled after sharding,
   with losses within twice DDP's own compile deviation. (``--bf16``'s saved model:
-  tests/test_hf_trainer.py.)
+  tests/integrations/test_hf_trainer.py.)
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests import stock_loop_cases as cases
+from tests.support import stock_loop_cases as cases
 from zerolite.testing import run_ranks
 
 pytest.importorskip("transformers")
@@ -205,7 +205,7 @@ def test_zero_trainer_compiles_after_sharding(trainer):
     assert trainer["zero_compiled_wrapper"] == "OptimizedModule"
     assert trainer["ddp_compiled_wrapper"] == "OptimizedModule"
     # DDP's own deviation under compile (AOTAutograd rounds differently from eager) is the
-    # yardstick, as in tests/parity.py.
+    # yardstick, as in tests/support/parity.py.
     ddp_deviation = max(abs(a - b) for a, b in zip(trainer["ddp_compiled"], trainer["ddp"]))
     bound = max(2 * ddp_deviation, 1e-6)
     assert len(trainer["zero_compiled"]) == len(trainer["ddp_compiled"]) == 3

@@ -1,4 +1,4 @@
-"""ZeroTrainer resumes only from a consistent checkpoint (issue 35, item 3).
+"""ZeroTrainer resumes only from a consistent checkpoint.
 
 One straight run (2 ranks, stage 2, a checkpoint every 2 steps up to 4), then two damaged
 copies of its output directory, as a user meets them:
@@ -10,7 +10,7 @@ copies of its output directory, as a user meets them:
   ``zerolite/`` last): ``resume_from_checkpoint=True`` used to pick it and fail with a wrong
   explanation. It resumes from ``checkpoint-2`` instead, logging which checkpoint was
   skipped and why; steps 3-4 then repeat the straight run's, bitwise (same world size and
-  stage: the same operations, as ``tests/test_hf_trainer.py`` establishes).
+  stage: the same operations, as ``tests/integrations/test_hf_trainer.py`` establishes).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from zerolite.testing import run_ranks
 
 pytest.importorskip("transformers")
 
-from tests import hf_trainer_cases as cases  # noqa: E402 - after the importorskip
+from tests.support import hf_trainer_cases as cases  # noqa: E402 - after the importorskip
 
 STEPS = 4
 

@@ -10,7 +10,7 @@ parameters have no gradient on a rank or on every rank).
 The objective of a data-parallel step is the mean over ranks of each rank's mean loss
 (with ignored labels the ranks' token counts differ, so this is not the whole batch's mean).
 The reference computes exactly that on one process; DDP and zerolite must both reach it.
-Per tensor, zerolite's error must be <= max(2 x DDP's own error, 1e-6) (`tests.parity`).
+Per tensor, zerolite's error must be <= max(2 x DDP's own error, 1e-6) (`tests.support.parity`).
 """
 
 from __future__ import annotations
@@ -22,8 +22,10 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import zerolite
-from tests import parity
+from tests.support import parity
 from zerolite.testing import run_ranks
+
+pytestmark = pytest.mark.numerics  # `make test-kernels` runs it under other CPUs' kernels
 
 pytest.importorskip("transformers")
 

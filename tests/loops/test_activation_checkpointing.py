@@ -2,7 +2,7 @@
 
 Recomputation gives the same values as the original forward (fp32, CPU), so each run is
 compared with plain single-process training of the same model, under the parity metric
-of `tests.parity`, with DDP (without checkpointing) as the yardstick of rounding error.
+of `tests.support.parity`, with DDP (without checkpointing) as the yardstick of rounding error.
 
 Cases, each at stages 1-3 on 2 ranks:
 
@@ -24,8 +24,10 @@ from torch.utils.checkpoint import checkpoint
 
 import zerolite
 from examples.gpt import GPT
-from tests import parity
+from tests.support import parity
 from zerolite.testing import run_ranks
+
+pytestmark = pytest.mark.numerics  # `make test-kernels` runs it under other CPUs' kernels
 
 STAGES = (1, 2, 3)
 SMALL_BUCKETS_MB = 0.01

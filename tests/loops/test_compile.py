@@ -1,7 +1,7 @@
 """``torch.compile`` on a sharded model, stages 1-3 (stage 3 also with ``partition="tensor"``),
 2 ranks.
 
-Two shapes users write, each against single-process training with `tests.parity`'s rules
+Two shapes users write, each against single-process training with `tests.support.parity`'s rules
 (per tensor and per step, within twice DDP's own deviation; AOTAutograd's decompositions
 round differently from the eager kernels, as another summation order would):
 
@@ -20,13 +20,16 @@ with ``fullgraph=True``; stage 3 with ``fullgraph=True`` gets dynamo's error nam
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch._dynamo
 from torch._dynamo.utils import counters
 
 import zerolite
-from tests import parity
+from tests.support import parity
 from zerolite.testing import run_ranks
+
+pytestmark = pytest.mark.numerics  # `make test-kernels` runs it under other CPUs' kernels
 
 STEPS = 2
 

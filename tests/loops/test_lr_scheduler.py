@@ -2,7 +2,7 @@
 
 Stages 1 and 2 on real gloo groups (world sizes 2 and 4): the learning rates each step
 sees are the reference's, a step at lr 0 changes no parameter, and training matches the
-reference and DDP (`tests.parity`).
+reference and DDP (`tests.support.parity`).
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 import zerolite
-from tests import parity
-from tests.rank_reports import (
+from tests.support import parity
+from tests.support.rank_reports import (
     SMALL_BUCKETS_MB,
     TIMEOUT,
     WORLD_SIZES,
@@ -24,6 +24,8 @@ from tests.rank_reports import (
 )
 from zerolite import ZeroConfig
 from zerolite.testing import run_ranks
+
+pytestmark = pytest.mark.numerics  # `make test-kernels` runs it under other CPUs' kernels
 
 ZERO_LR_STEP = 2
 SCHED_STEPS = 4

@@ -3,7 +3,7 @@ semantics.
 
 A second head is used on every rank in some steps, and on rank 0 only in another
 (stages 1 and 2, one and many buckets, world sizes 2 and 4): training matches the
-reference and DDP (`tests.parity`), and in a step where no rank used the head, its
+reference and DDP (`tests.support.parity`), and in a step where no rank used the head, its
 parameters, master pieces *and* optimizer state are untouched.
 """
 
@@ -17,8 +17,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import zerolite
-from tests import parity
-from tests.rank_reports import (
+from tests.support import parity
+from tests.support.rank_reports import (
     SMALL_BUCKETS_MB,
     TIMEOUT,
     WORLD_SIZES,
@@ -29,6 +29,8 @@ from tests.rank_reports import (
 )
 from zerolite import ZeroConfig
 from zerolite.testing import run_ranks
+
+pytestmark = pytest.mark.numerics  # `make test-kernels` runs it under other CPUs' kernels
 
 
 class TwoHeadGPT(nn.Module):

@@ -4,7 +4,7 @@
   ``opt.zero_grad()``, with ``set_to_none`` True and False; ``param.grad = None`` for every
   parameter; zeroing before backward (the tutorial shape); gradient accumulation with
   ``model.no_sync()`` and ``model.zero_grad()``. Each matches single-process training of the
-  same loop under the parity metric of `tests.parity` (DDP's own error as the yardstick).
+  same loop under the parity metric of `tests.support.parity` (DDP's own error as the yardstick).
 - A backward that raises on every rank, caught by the loop, which zeroes and goes on
   (skipping a bad batch): the following steps equal, bitwise, a run that skipped that
   batch before its forward.
@@ -19,8 +19,10 @@ import pytest
 import torch
 
 import zerolite
-from tests import parity
+from tests.support import parity
 from zerolite.testing import run_ranks
+
+pytestmark = pytest.mark.numerics  # `make test-kernels` runs it under other CPUs' kernels
 
 SMALL_BUCKETS_MB = 0.01  # several flat buffers on parity.TINY: some launch before a failure
 

@@ -8,7 +8,7 @@ launch per world size (a module-scoped fixture), the assertions run here.
   (`zerolite.memory.formula`) plus padding computed by the test from the flat-buffer
   layouts plus Adam's 0-dim ``step`` tensors, field by field.
 - Independently of zerolite's own bookkeeping, a census of every live tensor of a rank
-  (``gc.get_objects()``, `tests.memory_accounting`) equals ``footprint(opt).total``, and
+  (``gc.get_objects()``, `tests.support.memory_accounting`) equals ``footprint(opt).total``, and
   nothing of a model and its optimizer survives once the user drops them.
 """
 
@@ -19,8 +19,8 @@ import gc
 import pytest
 import torch
 
-from tests import parity
-from tests.memory_accounting import (
+from tests.support import parity
+from tests.support.memory_accounting import (
     census_vs_footprint,
     fields,
     layout_sums,
@@ -29,7 +29,7 @@ from tests.memory_accounting import (
     settled_census,
     storage_key,
 )
-from tests.mixed_recipe import ODD, make_sharded
+from tests.support.mixed_recipe import ODD, make_sharded
 from zerolite.memory import MemoryBreakdown, footprint, formula
 from zerolite.testing import run_ranks
 

@@ -13,13 +13,13 @@ import torch.distributed as dist
 from torch import nn
 
 import zerolite
-from tests import parity
+from tests.support import parity
 from zerolite.memory import STATE_BYTES_PER_PARAM, estimate, footprint, formula, track
 from zerolite.optim import ELEMENTWISE_OPTIMIZERS
 from zerolite.plan.optimizers import SUPPORTED, build_named
 from zerolite.testing import FootprintMismatch, assert_footprint, run_ranks
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 FIELDS = ("params", "grads", "master", "optimizer_state")
 
 

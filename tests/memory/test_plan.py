@@ -10,13 +10,14 @@ import pytest
 import torch
 
 import zerolite
-from tests.peak_cases import MODELS
-from tests.test_predict_peak import TOLERANCE
+from tests.memory.test_predict_peak import TOLERANCE
+from tests.support.peak_cases import MODELS
 from zerolite.cli import main
 from zerolite.memory import measure_peak, plan, predict_peak
 from zerolite.testing import run_ranks
 
-ARGS = ["plan", "--model", "tests.peak_cases:gpt", "--inputs", "tests.peak_cases:gpt_batch",
+ARGS = ["plan", "--model", "tests.support.peak_cases:gpt",
+        "--inputs", "tests.support.peak_cases:gpt_batch",
         "--world-size", "2", "--batch", "4", "--stages", "1,3", "--param-dtypes", "fp32",
         "--offload", "none"]
 
@@ -94,8 +95,8 @@ def test_plan_searches_partial_offload_and_hybrid_sharding(capsys, tmp_path):
     # budget, so it is the pick; within the disk tier the half offload, which streams
     # fewer bytes, ranks before the full one. The pick then trains under the budget.
     budget = 8 << 20
-    code = main(["plan", "--model", "tests.peak_cases:gpt", "--inputs",
-                 "tests.peak_cases:gpt_batch", "--world-size", "4", "--batch", "4",
+    code = main(["plan", "--model", "tests.support.peak_cases:gpt", "--inputs",
+                 "tests.support.peak_cases:gpt_batch", "--world-size", "4", "--batch", "4",
                  "--stages", "3", "--param-dtypes", "fp32", "--checkpointing", "off",
                  "--offload", "none,disk", "--offload-fractions", "1,0.5",
                  "--offload-dir", str(tmp_path),
@@ -112,7 +113,7 @@ def test_plan_searches_partial_offload_and_hybrid_sharding(capsys, tmp_path):
     assert 0 < disk[0]["offloaded_bytes"] < disk[1]["offloaded_bytes"]
     measured = max(run_ranks(_train, 4, pick))
     assert measured <= budget
-    # tests/test_predict_peak.py's TOLERANCE (the goal; byte-exact on this CPU).
+    # test_predict_peak.py's TOLERANCE (the promised bound; byte-exact on this CPU).
     assert abs(measured - pick["peak_bytes"]) <= TOLERANCE * measured, (measured, pick)
 
 

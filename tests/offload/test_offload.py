@@ -34,14 +34,16 @@ import torch
 
 import zerolite
 import zerolite.cli
-from tests import parity
-from tests.memory_accounting import tier_bytes_held
+from tests.support import parity
+from tests.support.memory_accounting import tier_bytes_held
 from zerolite import checkpoint as ckpt
 from zerolite.memory import estimate, footprint, track
 from zerolite.plan.offload import OffloadPlan
 from zerolite.state.offload import check_offload
 from zerolite.state.shard_state import state_of
 from zerolite.testing import run_ranks
+
+pytestmark = pytest.mark.numerics  # `make test-kernels` runs it under other CPUs' kernels
 
 STEPS = 3
 CHUNK_BYTES = 4096  # far below 64 MiB: pieces of the tiny GPT span several chunks

@@ -1,4 +1,4 @@
-"""The disk tier is reserved before the ranks agree (issue 35, item 2).
+"""The disk tier is reserved before the ranks agree.
 
 One rank of two cannot reserve its tier: its file-size limit (``ulimit -f``, set with
 ``resource.setrlimit`` in that rank only: a real limit, enforced by the kernel) is below the
@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 import zerolite
-from tests import parity
+from tests.support import parity
 from zerolite.state.shard_state import state_of
 from zerolite.testing import run_ranks
 

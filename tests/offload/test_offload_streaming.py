@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 import zerolite
-from tests import parity
+from tests.support import parity
 from zerolite import checkpoint as ckpt
 from zerolite.state.shard_state import state_of
 from zerolite.testing import run_ranks

@@ -23,8 +23,8 @@ import pytest
 import torch
 
 import zerolite
-from tests import parity
-from tests.test_tensor_ownership import BUILDERS
+from tests.step.test_tensor_ownership import BUILDERS
+from tests.support import parity
 from zerolite import checkpoint as ckpt
 from zerolite.testing import FootprintMismatch, assert_footprint, run_ranks
 

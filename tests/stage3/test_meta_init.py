@@ -14,10 +14,12 @@ from torch import nn
 import zerolite
 import zerolite.checkpoint
 from examples.gpt import GPT
-from tests import parity
+from tests.support import parity
 from zerolite.checkpoint import load_pretrained
 from zerolite.memory import footprint, track
 from zerolite.testing import run_ranks
+
+pytestmark = pytest.mark.numerics  # `make test-kernels` runs it under other CPUs' kernels
 
 
 class PlainGPT(GPT):

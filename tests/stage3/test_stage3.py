@@ -11,9 +11,11 @@ import torch.distributed as dist
 
 import zerolite
 from examples.gpt import GPTConfig
-from tests import parity
+from tests.support import parity
 from zerolite.memory import footprint, formula
 from zerolite.testing import run_ranks
+
+pytestmark = pytest.mark.numerics  # `make test-kernels` runs it under other CPUs' kernels
 
 FOUR_LAYERS = GPTConfig(vocab_size=64, seq_len=16, n_layer=4, n_head=2, d_model=32)
 
@@ -125,7 +127,7 @@ def test_prefetch_two_and_custom_unit_modules():
     allows (so the third gather did start early); training bitwise that of prefetch=1.
     unit_modules picking each block's Linear layers: at most 2 of them and the root (which
     now holds the layer norms) are full at once, far below one block (so the blocks were
-    not the units). Both within `tests.parity`'s rule of single-process training."""
+    not the units). Both within `tests.support.parity`'s rule of single-process training."""
     for rank, r in enumerate(run_ranks(_prefetch_and_units_case, 2, timeout=120)):
         assert not r["failures"], (rank, r["failures"])
         sizes = r["sizes"]

@@ -1,7 +1,7 @@
 """Stage 3 with real transformers / peft models (tiny Llama built from a config).
 
 - peft LoRA (r=4 on q_proj/v_proj) at stages 1-3 on 2 and 4 ranks: parity with one
-  process and with DDP (tests/parity.py's criterion); at stage 3 the frozen base is
+  process and with DDP (tests/support/parity.py's criterion); at stage 3 the frozen base is
   sharded 1/N; a QLoRA-style run (bf16 frozen base, fp32 LoRA masters) at stage 3.
 - ``generate()`` at stage 3 with ranks stopping at different lengths finishes (it hung:
   transformers syncs ranks only for DeepSpeed / FSDP) with the unsharded model's tokens,
@@ -13,16 +13,19 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 import zerolite
-from tests import parity
-from tests.comm_spy import CommSpy
-from tests.loss_checks import worst_deviation
+from tests.support import parity
+from tests.support.comm_spy import CommSpy
+from tests.support.loss_checks import worst_deviation
 from zerolite.memory import footprint
 from zerolite.testing import run_ranks
+
+pytestmark = pytest.mark.numerics  # `make test-kernels` runs it under other CPUs' kernels
 
 VOCAB, SEQ, GLOBAL_BATCH, STEPS = 128, 8, 4, 4  # batch divisible by 1, 2 and 4
 

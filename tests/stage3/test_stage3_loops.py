@@ -10,11 +10,13 @@ from torch.utils.checkpoint import checkpoint
 
 import zerolite
 from examples.gpt import GPT
-from tests import parity
-from tests.test_stage3 import LiveUnitMeter, _unit_bytes
+from tests.stage3.test_stage3 import LiveUnitMeter, _unit_bytes
+from tests.support import parity
 from zerolite.memory import footprint
 from zerolite.state.shard_state import state_of
 from zerolite.testing import run_ranks
+
+pytestmark = pytest.mark.numerics  # `make test-kernels` runs it under other CPUs' kernels
 
 
 class VariantGPT(GPT):

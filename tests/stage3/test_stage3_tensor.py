@@ -22,8 +22,8 @@ stage-2 ``"tensor"`` run of the same launch, which has the same owners' arithmet
    optimizer state (Muon's momentum, Adafactor's factored rows and columns) bit for bit,
    and both resumed runs continue alike.
 
-Across world sizes (stage 2 at 2 ranks to stage 3 at 4): tests/test_tensor_checkpoint.py;
-AdamW at 4 ranks, bitwise across stages 1-3: tests/test_same_arithmetic.py.
+Across world sizes (stage 2 at 2 ranks to stage 3 at 4): tests/checkpoint/test_tensor_checkpoint.py;
+AdamW at 4 ranks, bitwise across stages 1-3: tests/step/test_same_arithmetic.py.
 """
 
 from __future__ import annotations
@@ -36,11 +36,11 @@ import torch.distributed as dist
 
 import zerolite
 from examples.gpt import GPTConfig
-from tests import parity
-from tests.memory_accounting import census_vs_footprint, live_tensors, storage_key
-from tests.test_stage3 import LiveUnitMeter
-from tests.test_tensor_checkpoint import gathered_state
-from tests.test_tensor_ownership import BUILDERS, shard
+from tests.checkpoint.test_tensor_checkpoint import gathered_state
+from tests.stage3.test_stage3 import LiveUnitMeter
+from tests.step.test_tensor_ownership import BUILDERS, shard
+from tests.support import parity
+from tests.support.memory_accounting import census_vs_footprint, live_tensors, storage_key
 from zerolite import checkpoint as ckpt
 from zerolite.memory import estimate, footprint
 from zerolite.optim.multi import MultiOptimizer
@@ -125,7 +125,7 @@ def _memory_case() -> dict:
 
 def _meta_and_edit_case() -> dict:
     """A meta build equals the normal build; an edit by rank 0 reaches rank 1's master."""
-    from tests.test_meta_init import _build
+    from tests.stage3.test_meta_init import _build
 
     finals = []
     for meta in (False, True):

@@ -1,11 +1,11 @@
 """Gradient accumulation: 4 micro-steps of batch b == 1 step of batch 4b (stages 1 and 2).
 
 With and without ``model.no_sync()``, against a one-process reference on the whole batch
-and DDP (`tests.parity`), on real gloo groups (world sizes 2 and 4). DDP's yardstick is the
+and DDP (`tests.support.parity`), on real gloo groups (world sizes 2 and 4). DDP's yardstick is the
 envelope of its two ways of running this loop, with ``no_sync()`` (one all-reduce of the
 accumulated gradient) and without (an all-reduce per micro-step): they add the same numbers
 in another order, and zerolite's stage 2 reduces per micro-step whichever the user picks.
-Communication is counted with `tests.comm_spy.CommSpy`: nothing inside ``no_sync()``,
+Communication is counted with `tests.support.comm_spy.CommSpy`: nothing inside ``no_sync()``,
 stage 2 reduce-scatters every bucket exactly once per synced backward, stage 1 only at
 the step boundary.
 """
@@ -18,9 +18,9 @@ import pytest
 from torch.nn.parallel import DistributedDataParallel
 
 import zerolite
-from tests import parity
-from tests.comm_spy import CommSpy
-from tests.rank_reports import (
+from tests.support import parity
+from tests.support.comm_spy import CommSpy
+from tests.support.rank_reports import (
     SMALL_BUCKETS_MB,
     TIMEOUT,
     WORLD_SIZES,
@@ -31,6 +31,8 @@ from tests.rank_reports import (
 )
 from zerolite import ZeroConfig
 from zerolite.testing import run_ranks
+
+pytestmark = pytest.mark.numerics  # `make test-kernels` runs it under other CPUs' kernels
 
 MICRO = 4
 ACC_BATCH = 16  # global batch of one optimizer step: 4 micro-steps of 16 / (4 N) rows per rank

@@ -5,10 +5,10 @@ module-scoped fixture); the ranks return raw measurements and the assertions run
 
 - The model's parameters are bf16, the optimizer steps fp32 masters, and the parameters
   take 2 bytes per element plus padding (`zerolite.memory.footprint`).
-- 10 AdamW steps match the same-recipe reference (`tests.mixed_recipe.mixed_reference`,
+- 10 AdamW steps match the same-recipe reference (`tests.support.mixed_recipe.mixed_reference`,
   per tensor <= 1e-2), and the losses stay within 2e-2 of plain fp32 training: stages 1-2
-  by `tests.mixed_recipe.check_parity`, stage 3 by the same criteria
-  (`tests.recipe_checks.stage_failures`).
+  by `tests.support.mixed_recipe.check_parity`, stage 3 by the same criteria
+  (`tests.support.recipe_checks.stage_failures`).
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ import pytest
 import torch
 
 import zerolite
-from tests import parity
-from tests.memory_accounting import layout_sums, storage_key
-from tests.mixed_recipe import (
+from tests.support import parity
+from tests.support.memory_accounting import layout_sums, storage_key
+from tests.support.mixed_recipe import (
     LOSS_VS_FP32_TOL,
     ODD,
     check_parity,
@@ -28,9 +28,11 @@ from tests.mixed_recipe import (
     rel_losses,
     single_thread,
 )
-from tests.recipe_checks import stage_failures
+from tests.support.recipe_checks import stage_failures
 from zerolite.memory import footprint
 from zerolite.testing import run_ranks
+
+pytestmark = pytest.mark.numerics  # `make test-kernels` runs it under other CPUs' kernels
 
 WORLD_SIZES = [2, 4]
 
@@ -118,7 +120,7 @@ def test_bf16_parity_with_same_recipe_reference(bf16_run, references):
 
 def test_bf16_stage3_parity_with_same_recipe_reference(bf16_run, references):
     """Stage 3: 10 AdamW steps in bf16 with fp32 masters match the hand-written recipe by the
-    criteria stages 1-2 meet (`tests.recipe_checks.stage_failures`)."""
+    criteria stages 1-2 meet (`tests.support.recipe_checks.stage_failures`)."""
     n, results = bf16_run
     failures = stage_failures(f"N={n} stage 3 bf16", [res["tiny", 3] for res in results],
                               references["bf16", n], references["bf16", 1],

@@ -2,7 +2,7 @@
 
 - ``opt.clip_grad_value_(v)`` is ``torch.nn.utils.clip_grad_value_(params, v)`` on the
   whole batch's gradients: at 2 gloo ranks, stages 1-3, training with the clip matches the
-  one-process reference within max(2 x DDP's own error, 1e-6) per tensor (`tests.parity`),
+  one-process reference within max(2 x DDP's own error, 1e-6) per tensor (`tests.support.parity`),
   with ``v`` small enough that the clamp bites at every step.
 - `ZeroAccelerator` in Accelerate's fp16 mode (``native_amp`` and ``mixed_precision="fp16"``,
   as a GPU run sets them; Accelerate refuses fp16 on a CPU, so the test sets that state
@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
 import zerolite
-from tests import parity
-from tests.rank_reports import (
+from tests.support import parity
+from tests.support.rank_reports import (
     SMALL_BUCKETS_MB,
     TIMEOUT,
     check_reports,
@@ -32,6 +33,8 @@ from tests.rank_reports import (
 )
 from zerolite import ZeroConfig
 from zerolite.testing import run_ranks
+
+pytestmark = pytest.mark.numerics  # `make test-kernels` runs it under other CPUs' kernels
 
 STEPS = 3
 

@@ -2,7 +2,7 @@
 
 Norm types 2 and inf, stages 1 and 2, on real gloo groups (world sizes 2 and 4): the
 returned norm equals torch's on the whole batch (1e-6 relative) and the same on every
-rank, and training with the clip matches the reference and DDP (`tests.parity`).
+rank, and training with the clip matches the reference and DDP (`tests.support.parity`).
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 import zerolite
-from tests import parity
-from tests.rank_reports import (
+from tests.support import parity
+from tests.support.rank_reports import (
     SMALL_BUCKETS_MB,
     TIMEOUT,
     WORLD_SIZES,
@@ -26,6 +26,8 @@ from tests.rank_reports import (
 )
 from zerolite import ZeroConfig
 from zerolite.testing import run_ranks
+
+pytestmark = pytest.mark.numerics  # `make test-kernels` runs it under other CPUs' kernels
 
 CLIP_STEPS = 3
 

@@ -2,12 +2,15 @@
 
 import copy
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
 
 import zerolite
 from zerolite.testing import run_ranks
+
+pytestmark = pytest.mark.numerics  # `make test-kernels` runs it under other CPUs' kernels
 
 
 class ScaledMLP(nn.Module):

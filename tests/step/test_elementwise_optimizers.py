@@ -1,10 +1,10 @@
 """The rest of the elementwise allow-list, trained: RMSprop, Adamax, NAdam and RAdam.
 
 README lists them with Adam, AdamW, SGD and Adagrad as exact on flat shards; the parity
-suite (`tests/test_parity.py`) trains only those four. Here each of the other four trains
+suite (`tests/step/test_parity.py`) trains only those four. Here each of the other four trains
 the tiny GPT for 10 steps (two param groups with different hyperparameters) at stages 1-3
 on 2 and 4 gloo ranks, against single-process training on the whole batch, by
-`tests.parity`'s rule: per tensor within max(2 x DDP's own error on it, 1e-6), per step a
+`tests.support.parity`'s rule: per tensor within max(2 x DDP's own error on it, 1e-6), per step a
 loss within max(2 x DDP's largest loss deviation, 1e-6), DDP measured in the same launch.
 """
 
@@ -16,9 +16,11 @@ import pytest
 import torch
 
 import zerolite
-from tests import parity
-from tests.rank_reports import check_reports, guarded, new_report, record_parity
+from tests.support import parity
+from tests.support.rank_reports import check_reports, guarded, new_report, record_parity
 from zerolite.testing import run_ranks
+
+pytestmark = pytest.mark.numerics  # `make test-kernels` runs it under other CPUs' kernels
 
 # Hyperparameters each optimizer's update is sensitive to, set away from the defaults so
 # that a shard stepped with another group's values would show.
@@ -32,7 +34,8 @@ OPTIMIZERS: dict[str, Callable[[list[dict]], torch.optim.Optimizer]] = {
 
 
 def _make(name: str, model: torch.nn.Module) -> torch.optim.Optimizer:
-    """`tests.parity.make_optimizer` for these classes: two groups, the second at half lr."""
+    """`tests.support.parity.make_optimizer` for these classes: two groups, the second at
+    half lr."""
     opt = OPTIMIZERS[name](parity.make_groups(model))
     opt.param_groups[1]["lr"] *= 0.5
     return opt

@@ -6,9 +6,9 @@ module-scoped fixture); the ranks return raw measurements and the assertions run
 - An inf gradient made on one rank only skips the step on every rank, leaves parameters,
   masters and optimizer state unchanged, and halves the scale (`ShardedOptimizer.loss_scaler`).
 - With that skipped step, training matches the hand-written fp16 recipe
-  (`tests.mixed_recipe.mixed_reference`: unscaled in fp32, clipped, skipped on overflow):
-  stages 1-2 by `tests.mixed_recipe.check_parity`, stage 3 by the same criteria
-  (`tests.recipe_checks.stage_failures`).
+  (`tests.support.mixed_recipe.mixed_reference`: unscaled in fp32, clipped, skipped on overflow):
+  stages 1-2 by `tests.support.mixed_recipe.check_parity`, stage 3 by the same criteria
+  (`tests.support.recipe_checks.stage_failures`).
 - Unscaling happens after the fp32 upcast: a gradient below fp16's range reaches the
   optimizer intact (world size 1).
 """
@@ -23,10 +23,18 @@ import torch.distributed as dist
 from torch import nn
 
 import zerolite
-from tests import parity
-from tests.mixed_recipe import POISONED, check_parity, make_sharded, mixed_reference, single_thread
-from tests.recipe_checks import stage_failures
+from tests.support import parity
+from tests.support.mixed_recipe import (
+    POISONED,
+    check_parity,
+    make_sharded,
+    mixed_reference,
+    single_thread,
+)
+from tests.support.recipe_checks import stage_failures
 from zerolite.testing import run_ranks
+
+pytestmark = pytest.mark.numerics  # `make test-kernels` runs it under other CPUs' kernels
 
 WORLD_SIZES = [2, 4]
 OVERFLOW_STEP = 3  # the step at which rank 1 alone produces an inf gradient

@@ -1,7 +1,7 @@
 """Stage 2 overlaps communication with backward, and bounds full-size gradient memory.
 
 On real gloo groups (world sizes 2 and 4), with a pass-through spy on ``torch.distributed``
-(`tests.comm_spy.CommSpy`): with >= 4 buckets, all but the last bucket's reduce-scatters
+(`tests.support.comm_spy.CommSpy`): with >= 4 buckets, all but the last bucket's reduce-scatters
 start before the last gradient arrives, each bucket is reduce-scattered exactly once per
 backward and nothing else is communicated in backward, and the full-size gradients alive
 at any hook stay below twice the largest bucket (or parameter). The ranks only measure;
@@ -14,9 +14,9 @@ import pytest
 import torch.distributed as dist
 
 import zerolite
-from tests import parity
-from tests.comm_spy import CommSpy
-from tests.rank_reports import SMALL_BUCKETS_MB, TIMEOUT, WORLD_SIZES
+from tests.support import parity
+from tests.support.comm_spy import CommSpy
+from tests.support.rank_reports import SMALL_BUCKETS_MB, TIMEOUT, WORLD_SIZES
 from zerolite import ZeroConfig
 from zerolite.testing import run_ranks
 

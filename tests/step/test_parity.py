@@ -1,12 +1,15 @@
-"""Stages 1, 2 and 3 in fp32 match single-process and DDP training (tests/parity.py's rules)."""
+"""Stages 1, 2 and 3 in fp32 match single-process and DDP training
+(tests/support/parity.py's rules)."""
 
 import pytest
 import torch.distributed as dist
 
 import zerolite
-from tests import parity
-from tests.comm_spy import CommSpy
+from tests.support import parity
+from tests.support.comm_spy import CommSpy
 from zerolite.testing import run_ranks
+
+pytestmark = pytest.mark.numerics  # `make test-kernels` runs it under other CPUs' kernels
 
 
 def _parity_all_optimizers(stages: tuple[int, ...]) -> dict:

@@ -13,8 +13,8 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 import zerolite
-from tests import parity
-from tests.rank_reports import (
+from tests.support import parity
+from tests.support.rank_reports import (
     SMALL_BUCKETS_MB,
     TIMEOUT,
     WORLD_SIZES,
@@ -24,6 +24,8 @@ from tests.rank_reports import (
 )
 from zerolite import ZeroConfig
 from zerolite.testing import run_ranks
+
+pytestmark = pytest.mark.numerics  # `make test-kernels` runs it under other CPUs' kernels
 
 
 def _errors_vs(model, snap: dict[str, torch.Tensor]) -> dict[str, float]:

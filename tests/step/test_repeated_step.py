@@ -1,4 +1,4 @@
-"""A second ``step()`` without a new backward, at stages 2 and 3 (issue 35, item 6).
+"""A second ``step()`` without a new backward, at stages 2 and 3.
 
 torch's ``step()`` twice applies the same gradients again; zerolite's stages 2-3 free the
 gradient shards at the step, so the second step used to find no gradients and skip every
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import zerolite
-from tests import parity
+from tests.support import parity
 from zerolite.testing import run_ranks
 
 

@@ -3,7 +3,7 @@
 On real gloo groups of 2 and 4 ranks, one launch per world size running every case:
 
 1. Muon (hidden 2-D matrices) + AdamW (the rest), stages 1 and 2, against single-process
-   and DDP training with the same two optimizers (tests/parity.py's per-tensor metric);
+   and DDP training with the same two optimizers (tests/support/parity.py's per-tensor metric);
    the native (reduce / broadcast per owner) path too; with ``clip_grad_norm_`` (one
    global norm over both) against torch's clipping of the whole model.
 2. Adafactor, stage 2, the same way.
@@ -18,8 +18,8 @@ On real gloo groups of 2 and 4 ranks, one launch per world size running every ca
 5. Refusals, before anything changes: LBFGS, overlapping parameter sets, ``"flat"`` with
    Muon naming ``"tensor"``.
 
-Checkpoints and state dicts of owned tensors: tests/test_tensor_checkpoint.py; stage 3:
-tests/test_stage3_tensor.py.
+Checkpoints and state dicts of owned tensors: tests/checkpoint/test_tensor_checkpoint.py; stage 3:
+tests/stage3/test_stage3_tensor.py.
 """
 
 from __future__ import annotations
@@ -34,10 +34,12 @@ from safetensors.torch import save_file
 from torch.nn.parallel import DistributedDataParallel
 
 import zerolite
-from tests import parity
+from tests.support import parity
 from zerolite.checkpoint import load_pretrained
 from zerolite.memory import estimate, footprint
 from zerolite.testing import run_ranks
+
+pytestmark = pytest.mark.numerics  # `make test-kernels` runs it under other CPUs' kernels
 
 STEPS = 6
 MUON_LR = 0.02
@@ -234,7 +236,7 @@ def _ownership_cases() -> dict:
 
 def _meta_equals_normal() -> bool:
     """A meta-device build laid out by owner equals the normal build, before and after steps."""
-    from tests.test_meta_init import _build as build_plain
+    from tests.stage3.test_meta_init import _build as build_plain
 
     states = []
     for meta in (False, True):

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-PACKAGE = Path(__file__).resolve().parent.parent / "zerolite"
+PACKAGE = Path(__file__).resolve().parents[2] / "zerolite"
 
 # Where collectives may be called, relative to the package directory.
 COMMUNICATION_LAYER = "comm/"

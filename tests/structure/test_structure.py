@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "zerolite"
 DESIGN = ROOT / "docs" / "design.md"
 MAX_FUNCTION_LINES = 80
@@ -328,7 +328,8 @@ _FACE = "from zerolite.ground import phase_events\n\n\ndef shard():\n    pass\n\
     (_FACE + "def later():\n    phase_events.provide_shard(shard)\n", False),  # at call time
     (_FACE + "wrapped = phase_events.wrap(shard)\n", False),  # a value kept here
     (_FACE + "phase_events.sample(3)\n", False),
-])
+], ids=["call", "assignment", "setattr", "call-in-if", "call-at-run-time", "value-kept",
+        "no-function"])
 def test_the_back_channel_check_sees_a_function_handed_down(tmp_path, monkeypatch, source,
                                                             flagged):
     path = tmp_path / "probe.py"

@@ -1,8 +1,8 @@
-"""Training loops run under a real `accelerate launch` by tests/test_accelerate.py.
+"""Training loops run under a real `accelerate launch` by tests/integrations/test_accelerate.py.
 
-    accelerate launch ... tests/accelerate_cases.py OUT_DIR CASE [CASE ...]
+    accelerate launch ... tests/support/accelerate_cases.py OUT_DIR CASE [CASE ...]
 
-Each case trains the tiny GPT of tests/parity.py with an ordinary Accelerate loop and
+Each case trains the tiny GPT of tests/support/parity.py with an ordinary Accelerate loop and
 rank 0 writes ``OUT_DIR/CASE.safetensors`` (full parameters, via
 ``accelerator.get_state_dict``) and ``OUT_DIR/CASE.json`` (losses, norms, checks).
 """
@@ -16,11 +16,11 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import zerolite  # noqa: E402
 from examples.gpt import GPT  # noqa: E402
-from tests import parity  # noqa: E402
+from tests.support import parity  # noqa: E402
 from zerolite.accelerate import ZeroAccelerator  # noqa: E402
 from zerolite.memory import footprint  # noqa: E402
 

@@ -1,8 +1,8 @@
 """A checkpoint's contents, read back whole from its files (tests only; single process).
 
 - `full_state`: every parameter's fp32 master and optimizer state, reassembled from the
-  saved element ranges whatever layout wrote them, so two checkpoints of the same state
-  under different layouts compare equal bit for bit. Per-element state is joined in
+  saved element ranges whatever setup wrote them, so two checkpoints of the same state
+  under different setups compare equal bit for bit. Per-element state is joined in
   element order; 0-dim state (Adam's ``step``) must agree across a parameter's pieces;
   state of another shape (Adafactor's factors of a whole owned tensor) is kept as saved.
 - `residual_mass`: what the error-feedback residuals owe the mean gradient, per parameter

@@ -15,8 +15,8 @@ save, collectives) are how zerolite runs it. Each configuration is judged agains
   each owner's chunk instead of equal shards, so there it follows the ``quantized`` rule).
 - ``order``: the feature sums the same gradients in another order (hybrid averages within
   the node, then across; native collectives add in the backend's order): in fp32 the loss
-  per step within `tests.parity.loss_bound` of DDP's own deviation between summation
-  orders, in bf16 within `tests.mixed_recipe.TENSOR_TOL` (the mixed-precision rule).
+  per step within `tests.support.parity.loss_bound` of DDP's own deviation between summation
+  orders, in bf16 within `tests.support.mixed_recipe.TENSOR_TOL` (the mixed-precision rule).
 - ``quantized``: int8 on the wire with error feedback: the loss per step within the
   quantized tests' 1e-2 relative.
 

@@ -1,4 +1,4 @@
-"""Collect and run the code blocks of Markdown files (tests/test_docs.py drives it).
+"""Collect and run the code blocks of Markdown files (tests/docs/test_docs.py drives it).
 
 Why a small collector of our own rather than pytest-markdown-docs, pytest-examples or
 mktestdocs: those run each block in the pytest process, while most of zerolite's examples are
@@ -16,7 +16,7 @@ Markers: an HTML comment on the line before the fence (visible in the Markdown s
 invisible on the site), words separated by spaces::
 
     <!-- docs-test: ranks=2 -->               run on 2 ranks
-    <!-- docs-test: fixture=gpt -->           first run tests/docs_fixtures.py's gpt()
+    <!-- docs-test: fixture=gpt -->           first run tests/support/docs_fixtures.py's gpt()
     <!-- docs-test: ranks=2 fixture=gpt -->   both
     <!-- docs-test: skip needs a CUDA GPU --> not run (the reason is required)
 
@@ -42,7 +42,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 MARKER = re.compile(r"^\s*<!--\s*docs-test:\s*(?P<words>.*?)\s*-->\s*$")
 FENCE = re.compile(r"^(?P<indent>\s*)```(?P<info>[\w+-]*)")  # info may go on: ```python title=...
 PYTHON = {"python", "py"}
@@ -134,7 +134,7 @@ def segments(blocks: list[Block]) -> Iterator[list[Block]]:
 
 
 def run_python(block: Block, namespace: dict[str, Any]) -> None:
-    from tests import docs_fixtures
+    from tests.support import docs_fixtures
 
     for name in block.fixtures:
         getattr(docs_fixtures, name)(namespace)

@@ -1,7 +1,7 @@
 """What some README blocks are written against: "your" model, data and scheduler.
 
 A block marked ``<!-- docs-test: fixture=NAME -->`` runs after ``NAME(namespace)`` has put
-these names into its namespace (tests/docs_blocks.py). The docs pages' own blocks are
+these names into its namespace (tests/support/docs_blocks.py). The docs pages' own blocks are
 complete scripts and need none.
 """
 

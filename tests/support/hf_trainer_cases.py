@@ -1,5 +1,5 @@
-"""Rank bodies for tests/test_hf_trainer.py: a tiny Llama trained by a stock ``Trainer``
-(DDP) and by ``ZeroTrainer`` inside `zerolite.testing.run_ranks` launches.
+"""Rank bodies for tests/integrations/test_hf_trainer.py: a tiny Llama trained by a stock
+``Trainer`` (DDP) and by ``ZeroTrainer`` inside `zerolite.testing.run_ranks` launches.
 
 Trainer finds the process group that run_ranks created (``RANK``/``WORLD_SIZE`` are set and
 ``use_cpu=True`` makes Accelerate's state ``MULTI_CPU``), so no launcher or port is needed.
@@ -111,7 +111,7 @@ def logged() -> Any:
     return Logged()
 
 
-# ---- the cases run by tests/test_hf_trainer.py ------------------------------------------
+# ---- the cases run by tests/integrations/test_hf_trainer.py -------------------------------
 
 
 def _trainer(out: Path, stage: int | None, *, model: Any = None, **overrides: Any) -> Any:

@@ -1,6 +1,6 @@
 """Per-step loss comparisons that a truncated, padded or non-finite loss list cannot pass.
 
-Built on `tests.parity.loss_deviations` (lists of different lengths raise: ``zip`` would
+Built on `tests.support.parity.loss_deviations` (lists of different lengths raise: ``zip`` would
 compare the common prefix and let a run that stopped early pass; a step where either loss is
 not finite gives NaN, which fails every ``<=`` bound), for comparisons that are not parity
 against DDP: a quantized run against the unquantized one, a compiled one against eager, bf16
@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from tests.parity import loss_deviations
+from tests.support.parity import loss_deviations
 
 __all__ = ["loss_deviations", "within", "worst_deviation"]
 

@@ -67,7 +67,7 @@ def tensor_census(exclude: set[tuple[str, int]]) -> tuple[int, dict[tuple[str, i
     holds it. Excluded, and why:
     - ``exclude``: storages alive before the current case built its model (module-level
       tensors of torch, anything an earlier case left behind, which
-      `tests.test_footprint.test_dropped_model_and_optimizer_are_freed` checks
+      `tests.memory.test_footprint.test_dropped_model_and_optimizer_are_freed` checks
       separately). The caller keeps those tensors alive, so that their addresses cannot be
       reused meanwhile, and frozen (``gc.freeze()``), so that each pass walks only objects
       made since (speed).

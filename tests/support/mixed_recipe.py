@@ -34,7 +34,7 @@ import torch
 
 import zerolite
 from examples.gpt import GPTConfig
-from tests import parity
+from tests.support import parity
 
 SMALL_BUCKETS_MB = 0.01  # several flat buffers, some of them padded
 TENSOR_TOL = 1e-2  # per tensor, against the same-recipe reference (docs/design.md)

@@ -1,4 +1,4 @@
-"""Models, batches and the measuring rank function shared by tests/test_predict_peak.py and
+"""Models, batches and the measuring rank function shared by tests/memory/test_predict_peak.py and
 benchmarks/peak_prediction.py: tiny configurations of the example GPT and transformers'
 GPT-2 and Llama, random token batches (the peak does not depend on the tokens)."""
 

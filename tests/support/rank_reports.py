@@ -15,7 +15,7 @@ from typing import Any
 
 from torch import nn
 
-from tests import parity
+from tests.support import parity
 
 __all__ = ["SMALL_BUCKETS_MB", "TIMEOUT", "WORLD_SIZES", "check_reports", "guarded",
            "new_report", "record_parity"]

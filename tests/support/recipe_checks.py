@@ -1,8 +1,8 @@
-"""16-bit training of any one stage against `tests.mixed_recipe`'s hand-written recipe.
+"""16-bit training of any one stage against `tests.support.mixed_recipe`'s hand-written recipe.
 
-`stage_failures` applies the criteria `tests.mixed_recipe.check_parity` applies to stages 1
+`stage_failures` applies the criteria `tests.support.mixed_recipe.check_parity` applies to stages 1
 and 2 to the runs of one stage (stage 3 here), with loss lists compared step by step by
-`tests.loss_checks` (equal length, NaN fails):
+`tests.support.loss_checks` (equal length, NaN fails):
 
 - every rank holds the same parameters;
 - per tensor, rank 0's final parameters within ``TENSOR_TOL`` of the recipe whose gradient
@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import torch
 
-from tests import parity
-from tests.mixed_recipe import LOSS_VS_FP32_TOL, TENSOR_TOL
-from tests.parity import loss_deviations
+from tests.support import parity
+from tests.support.mixed_recipe import LOSS_VS_FP32_TOL, TENSOR_TOL
+from tests.support.parity import loss_deviations
 
 __all__ = ["stage_failures"]
 

@@ -1,4 +1,4 @@
-"""Rank bodies for tests/test_stock_loops.py: the loop shapes of transformers' example
+"""Rank bodies for tests/integrations/test_stock_loops.py: the loop shapes of transformers' example
 scripts (``run_clm_no_trainer.py``, ``run_glue_no_trainer.py``, ``run_clm.py``), written here
 in their own words, under `zerolite.testing.run_ranks` (2 CPU ranks, no launcher).
 
@@ -240,11 +240,11 @@ def loaded(folder: str, head: str) -> dict[str, Any]:
 def trainer_cases(out: str) -> dict[str, Any]:
     """``run_clm.py``'s ``--torch_compile`` at stage 3, with DDP eager and compiled beside it
     (DDP's own compile deviation is the yardstick). ``--bf16``'s saved model is
-    tests/test_hf_trainer.py's."""
+    tests/integrations/test_hf_trainer.py's."""
     from transformers import Trainer
 
     import zerolite
-    from tests.hf_trainer_cases import TokenData, _warm, make_args, make_model, steps
+    from tests.support.hf_trainer_cases import TokenData, _warm, make_args, make_model, steps
     from zerolite.hf import ZeroTrainer
 
     _warm()

@@ -38,7 +38,7 @@ communication device of small collectives); small collectives themselves are
 `zerolite.comm.quantized`'s; which of them one flat buffer uses is its exchange object's
 (`zerolite.comm.exchange`). Data broadcasts, a gather to one rank and the replica
 all-reduce of hybrid sharding are here too: every collective of the package is in
-`zerolite.comm` (``tests/test_comm_boundary.py`` checks the source).
+`zerolite.comm` (``tests/structure/test_comm_boundary.py`` checks the source).
 
 Launches are asynchronous and return a `Pending`; callers decide when to `wait()`.
 With world size 1 (or no process group) nothing is communicated.

@@ -4,7 +4,7 @@ The rest of the package is device-agnostic: it asks this module, never ``torch.c
 for the machine's accelerator, the current device, streams and events, generator states,
 allocator statistics and page-locked host memory, and it decides "does this device have a
 runtime of its own" with `is_accelerator`, never with ``device.type == "cuda"``
-(``tests/test_runtime.py`` reads the source and keeps it so).
+(``tests/comm/test_runtime.py`` reads the source and keeps it so).
 
 Each call goes to ``torch.accelerator`` where this torch has the function and the device
 is of the machine's accelerator type (torch 2.6 brought devices and streams, later
