@@ -97,7 +97,6 @@ def shard(
     return sharded
 
 
-
 def _announcement(sharded: ShardedOptimizer, partition: str) -> str:
     """The one line `shard()` logs on rank 0 (at INFO): that zerolite is on, how, and what
     this rank holds now (`zerolite.memory.footprint`; the optimizer's moments appear at its
