@@ -2,11 +2,11 @@
 #   make example       - train a small GPT with Accelerate + zerolite on 2 CPU processes
 #   make test          - ruff check, the docs build (mkdocs build --strict: a warning fails it),
 #                        then the test suite, which runs every Python block of the docs
-#                        (tests/test_docs.py) (what .ci/run runs)
+#                        (tests/docs/test_docs.py) (what .ci/run runs)
 #   make docs-serve    - preview the docs site (docs/, mkdocs.yml) at http://127.0.0.1:8000
-#   make test-matrix   - every accepted combination of features (slow; tests/combination_matrix.py)
+#   make test-matrix   - every accepted combination of features (slow; tests/support/combination_matrix.py)
 #   make test-kernels  - the numerics tests under other CPUs' kernel families (README, Tests)
-#   make gpu-check     - everything one GPU can check (tests/gpu_check.py: the cuda-marked tests,
+#   make gpu-check     - everything one GPU can check (tests/gpu/gpu_check.py: the cuda-marked tests,
 #                        world size 1 on NCCL and 2 on gloo over CUDA tensors, the step-time and
 #                        checkpoint benchmarks on the GPU) as one pass/fail table, written with the
 #                        logs and benchmark tables to OUT (default gpu-check-results/, git-ignored).
@@ -68,10 +68,10 @@ docs: $(STAMP)
 docs-serve: $(STAMP)
 	$(VENV)/bin/mkdocs serve
 
-# Every accepted combination of features (tests/combination_matrix.py), not only the pairwise
+# Every accepted combination of features (tests/support/combination_matrix.py), not only the pairwise
 # set that `make test` runs: long.
 test-matrix: $(STAMP)
-	$(VENV)/bin/python -m pytest -q -m slow tests/test_combination_matrix.py tests/test_resume_matrix.py
+	$(VENV)/bin/python -m pytest -q -m slow tests/combinations/test_combination_matrix.py tests/checkpoint/test_resume_matrix.py
 
 test-kernels: $(STAMP)
 	@set -e; $(foreach family,$(KERNEL_FAMILIES),\
@@ -84,4 +84,4 @@ example: $(STAMP)
 
 # No $(STAMP): the GPU machine has no package index, so nothing may be installed there.
 gpu-check:
-	PYTHONPATH="$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH}" $(GPU_PYTHON) tests/gpu_check.py --out "$(OUT)"
+	PYTHONPATH="$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH}" $(GPU_PYTHON) tests/gpu/gpu_check.py --out "$(OUT)"

@@ -21,7 +21,7 @@ about one quantization step times the learning rate.
     python benchmarks/error_feedback_toy.py     (2 gloo ranks, a few seconds)
 
 prints the global loss's excess over its minimum after ``STEPS`` SGD steps, unquantized and
-quantized with and without error feedback. ``tests/test_error_feedback.py`` asserts it.
+quantized with and without error feedback. ``tests/comm/test_error_feedback.py`` asserts it.
 """
 
 from __future__ import annotations

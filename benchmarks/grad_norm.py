@@ -8,7 +8,7 @@ single process, CPU. Three numbers per model:
 - accuracy: the relative error of torch's ``clip_grad_norm_`` (what DDP, Accelerate and the
   Trainer call; ``torch._foreach_norm`` per tensor) and of zerolite's ``clip_grad_norm_``
   (stage 1, world size 1; zerolite's norm is the same bits at every stage, world size and
-  layout, tests/test_same_arithmetic.py) against the fp64 norm of the same gradients;
+  layout, tests/step/test_same_arithmetic.py) against the fp64 norm of the same gradients;
 - time: each ``clip_grad_norm_``'s median over ``--repeats`` calls (one thread; both take
   the norm and scale every gradient by the coefficient);
 - what reproducing torch's value would move: torch takes each tensor's norm over the whole

@@ -128,7 +128,7 @@ def _rank(system: str, d_model: int, n_layer: int, offload_dir: str, limit: int)
         opt = zerolite.shard(model, torch.optim.AdamW(param_groups(model, weight_decay=0.1),
                                                       lr=3e-4), _config(system, offload_dir))
         tier = state_of(model).offload
-        offloaded = 0 if tier is None else tier.layout.nbytes
+        offloaded = 0 if tier is None else tier.plan.nbytes
     times = []
     for step in range(STEPS):
         x, y = random_batch(cfg, WORLD, seed=step)

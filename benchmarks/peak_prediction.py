@@ -3,7 +3,7 @@
     python benchmarks/peak_prediction.py [--world-sizes 1,2,4] [--llama-7b]
 
 For the example GPT and transformers' GPT-2 and Llama (tiny configurations:
-tests/peak_cases.py), every stage, fp32 and bf16 parameters, accumulation 1 and 4 and
+tests/support/peak_cases.py), every stage, fp32 and bf16 parameters, accumulation 1 and 4 and
 activation checkpointing off and on, it predicts rank 0's peak with
 `zerolite.memory.predict_peak` (fake tensors, one simulated rank) and measures it with
 `zerolite.memory.measure_peak` (a real step on a real gloo group of that many ranks, live
@@ -32,7 +32,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import zerolite  # noqa: E402
 from examples.gpt import GPT, GPTConfig  # noqa: E402
-from tests.peak_cases import MODELS, case_kwargs, measure_cases  # noqa: E402
+from tests.support.peak_cases import MODELS, case_kwargs, measure_cases  # noqa: E402
 from zerolite.memory import measure_peak, plan, predict_peak  # noqa: E402
 from zerolite.testing import run_ranks  # noqa: E402
 

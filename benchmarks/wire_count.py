@@ -16,7 +16,7 @@ from collections import defaultdict
 import torch
 import torch.distributed as dist
 
-from tests.comm_spy import peers
+from tests.support.comm_spy import peers
 
 __all__ = ["CommSpy"]
 

@@ -18,7 +18,7 @@ from zerolite.config import ZeroConfig
 from zerolite.errors import CollectiveTimeout, RankMismatchError
 from zerolite.gathered import full_state_dict, gathered_parameters, iter_full_state_dict
 from zerolite.optim.sharded_optimizer import ShardedOptimizer
-from zerolite.zero import shard
+from zerolite.sharding import shard
 
 __all__ = [
     "__version__",

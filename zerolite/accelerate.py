@@ -15,11 +15,11 @@ are wrong for sharded state (docs/design.md, "Accelerate"; measured on accelerat
   `zerolite.checkpoint` per rank, keeping Accelerate's directory naming, ``total_limit``,
   dataloader, RNG and registered-object states. A folder this run saved (or resumed from)
   is replaced crash-safely, as stock Accelerate replaces it; another run's is refused
-  (`zerolite.saving.RunFolders`).
+  (`zerolite.integrations.outputs.RunFolders`).
 - ``get_state_dict`` and the model's ``save_pretrained`` (called on every rank, as
   transformers' example scripts do) write the full weights, from the fp32 masters, by
   default each parameter in the model's own dtype, as the stock run (``save_dtype``,
-  `zerolite.saving`).
+  `zerolite.integrations.outputs`).
 - ``torch.compile`` (Accelerate's dynamo plugin) wraps the model after zerolite has
   sharded it, never before (the wrapper would hide the model from zerolite).
 - ``accumulate()`` enters ``model.no_sync()``: honoured in stage 1 (full gradients are
@@ -56,12 +56,16 @@ from torch import nn
 
 from zerolite.checkpoint.pending_save import PendingSave
 from zerolite.checkpoint.run_folders import RunFolders
-from zerolite.comm import runtime
 from zerolite.config import ZeroConfig
+from zerolite.ground import runtime
+from zerolite.integrations.outputs import (
+    StateFolderMethods,
+    check_save_dtype,
+    install_save_pretrained,
+)
 from zerolite.optim.sharded_optimizer import ShardedOptimizer
 from zerolite.plan.precision import HostPrecision
-from zerolite.saving import StateFolderMethods, check_save_dtype, install_save_pretrained
-from zerolite.zero import announcing_host, shard
+from zerolite.sharding import announcing_host, shard
 
 __all__ = ["ZeroAccelerator", "setup", "zero_config_for"]
 
@@ -126,7 +130,7 @@ def _materialise_on(accelerator: Accelerator, model: nn.Module, config: ZeroConf
 
 class _ZeroMethods(StateFolderMethods):
     """The overrides, shared by `ZeroAccelerator` and instances patched by `setup` (the
-    saving ones in `zerolite.saving.StateFolderMethods`)."""
+    saving ones in `zerolite.integrations.outputs.StateFolderMethods`)."""
 
     zero_config: ZeroConfig
     _zero_sharded: list[tuple[nn.Module, ShardedOptimizer]]

@@ -28,14 +28,14 @@ _SUBCOMMANDS: dict[str, tuple[str, str]] = {
         "per-rank memory of every stage (the ZeRO formulas, or exact for a model)",
     ),
     "plan": (
-        "zerolite.memory.plan_commands",
+        "zerolite.memory.budget_commands",
         "the configurations whose predicted peak fits a memory budget, cheapest first",
     ),
     "consolidate": (
         "zerolite.checkpoint.commands",
         "write a checkpoint as one plain safetensors file",
     ),
-    "verify": ("zerolite.checkpoint.commands", "check every shard file's size and sha256"),
+    "verify": ("zerolite.checkpoint.commands", "check every rank file's size and sha256"),
     "inspect": (
         "zerolite.checkpoint.commands",
         "summarise a checkpoint (world size, stage, step, ...)",

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from zerolite.config_env import (
+from zerolite.ground.config_env import (
     ALLOWED_DTYPES,
     COLLECTIVES,
     OFFLOAD_TIERS,
@@ -46,7 +46,7 @@ __all__ = ["ZeroConfig"]
 
 def setting(default: Any, env: str, parse: Callable[[str, str], Any]) -> Any:
     """A `ZeroConfig` field that defaults to ``default`` and that the environment variable
-    ``env`` sets, its text read by ``parse(field, text)`` (`zerolite.config_env`), when
+    ``env`` sets, its text read by ``parse(field, text)`` (`zerolite.ground.config_env`), when
     the caller does not pass it."""
     return dataclasses.field(
         default=UNSET, metadata={"default": default, "env": env, "parse": parse}

@@ -18,7 +18,7 @@ Accelerate integration (`zerolite.accelerate.ZeroAccelerator`) plus Trainer's fi
   prediction run unchanged.
 - ``save_model`` gathers the parameters unit by unit to rank 0 and writes them with the
   model's ``save_pretrained``: ``from_pretrained`` loads the result. It writes what the
-  stock Trainer writes for that model (``save_dtype=None``, `zerolite.saving`): each
+  stock Trainer writes for that model (``save_dtype=None``, `zerolite.integrations.outputs`): each
   parameter in the dtype it was loaded in, from the fp32 masters, so fp32 for an fp32
   model also under zerolite's bf16 parameters, bf16 for a model loaded in bf16; and
   ``config.json`` names the dtype written.
@@ -66,11 +66,11 @@ from zerolite.accelerate import ZeroAccelerator, check_launch
 from zerolite.checkpoint.pending_save import finish_in_flight_everywhere
 from zerolite.checkpoint.run_folders import RunFolders
 from zerolite.checkpoint.trainer_resume import check_steps, newest_complete
-from zerolite.comm import runtime
 from zerolite.config import ZeroConfig
+from zerolite.ground import runtime
+from zerolite.integrations.outputs import check_save_dtype, weights_for_saving
 from zerolite.optim.sharded_optimizer import ShardedOptimizer
 from zerolite.plan.optimizers import check_optimizer
-from zerolite.saving import check_save_dtype, weights_for_saving
 
 __all__ = ["ZERO_CHECKPOINT_DIR", "ZeroTrainer", "ZeroTrainerMixin", "zero_config_for_args"]
 
@@ -338,10 +338,10 @@ class ZeroTrainerMixin:
         """Write what ``from_pretrained`` loads: HF names, safetensors, config (all ranks call).
 
         Parameters are gathered unit by unit to rank 0 (on CPU), from the fp32 masters in
-        ``save_dtype`` (`zerolite.saving.weights_for_saving`); rank 0 writes them with the
-        model's ``save_pretrained`` (``model.safetensors``, or shards and an index above its
-        ``max_shard_size``), with ``config.json`` (whose ``dtype`` names what was written)
-        and the processing class.
+        ``save_dtype`` (`zerolite.integrations.outputs.weights_for_saving`); rank 0 writes
+        them with the model's ``save_pretrained`` (``model.safetensors``, or shards and an
+        index above its ``max_shard_size``), with ``config.json`` (whose ``dtype`` names what
+        was written) and the processing class.
         """
         output_dir = output_dir if output_dir is not None else self.args.output_dir
         state_dict = weights_for_saving(self.model, self.save_dtype, keep=self.args.should_save)

@@ -111,7 +111,7 @@ def _rank_main(job: bytes, rank: int, world_size: int, store_path: str, timeout:
         store = dist.FileStore(store_path, world_size)  # type: ignore[attr-defined]
         options: dict[str, Any] = {} if backend is None else {"backend": backend}
         if _uses_accelerator(backend):  # rank r on device r, current and bound to the group
-            from zerolite.comm import runtime
+            from zerolite.ground import runtime
 
             device = torch.device(runtime.gpu_type(), rank)
             runtime.set_current_device(device)
@@ -167,7 +167,7 @@ def _uses_accelerator(backend: str | None) -> bool:
     """Whether ranks of this backend run on GPUs: NCCL (alone or per device, as
     ``"cpu:gloo,cuda:nccl"``), or no backend on a GPU machine (torch then picks NCCL)."""
     if backend is None or backend.lower() == "undefined":
-        from zerolite.comm import runtime
+        from zerolite.ground import runtime
 
         return runtime.accelerator_type() is not None
     return "nccl" in backend.lower()
@@ -177,7 +177,7 @@ def _check_devices(backend: str | None, world_size: int) -> None:
     """Refuse, in the parent, a CUDA backend without a GPU for every rank."""
     if not _uses_accelerator(backend):
         return
-    from zerolite.comm import runtime
+    from zerolite.ground import runtime
 
     count = runtime.device_count()
     if count < world_size:

@@ -1,6 +1,6 @@
 """Writes ``tests/data/old_checkpoint/``: a checkpoint saved by zerolite 0.1.0 as it stood
 before the package was reorganised into folders (commit 201468d), and what loading it must
-give. ``tests/test_old_checkpoint.py`` loads it with the current code.
+give. ``tests/checkpoint/test_old_checkpoint.py`` loads it with the current code.
 
 Run it with that version of the package (it reads each rank's pieces through that
 version's internals, ``zerolite.shard_state``), from the root of a checkout of it::

@@ -9,6 +9,8 @@
 - `load_pretrained(model, files, *, strict=True)`: plain safetensors weights into shards
 
 The format is described in `zerolite.checkpoint.format`.
+
+Its place among the layers (what it may import): docs/design.md, "Layers".
 """
 
 from zerolite.checkpoint.consolidate import consolidate, inspect, verify

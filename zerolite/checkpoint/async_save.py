@@ -25,22 +25,22 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from zerolite import phase_events
 from zerolite.checkpoint.commit import SaveLock, commit_checkpoint
+from zerolite.checkpoint.file_writer import write_file
 from zerolite.checkpoint.format import CheckpointError
 from zerolite.checkpoint.markers import Markers
 from zerolite.checkpoint.rank_file import RankFile
-from zerolite.checkpoint.shard_writer import write_shard
 from zerolite.checkpoint.staging import StagingArea
+from zerolite.ground import phase_events
 
-__all__ = ["stage", "write_and_commit"]
+__all__ = ["copy_to_staging", "write_and_commit"]
 
 
-def stage(area: StagingArea, rank_file: RankFile) -> None:
+def copy_to_staging(area: StagingArea, rank_file: RankFile) -> None:
     """Copy ``rank_file``'s tensors into ``area`` (the memory tracker's ``"staging"`` phase);
     ``rank_file.tensors`` is emptied: the bytes to write are ``area``'s."""
     with phase_events.phase("staging"):
-        area.stage(rank_file.tensors)
+        area.copy_in(rank_file.tensors)
     rank_file.tensors = {}  # the live tensors are not needed (nor kept alive) any more
 
 
@@ -66,8 +66,8 @@ def write_and_commit(
         try:
             record: dict[str, Any] = {}
             if rank_file is not None and area is not None:
-                size, sha = write_shard(
-                    target, area.slots, [area.data], rank_file.rank, rank_file.metadata
+                size, sha = write_file(
+                    target, area.ranges, [area.data], rank_file.rank, rank_file.metadata
                 )
                 record = rank_file.record(size, sha)
             markers.done(rank, record)

@@ -85,7 +85,7 @@ def run_inspect(args: argparse.Namespace) -> int:
 def checkpoint_dir(text: str) -> Path:
     """``text`` as a checkpoint directory, or a `CheckpointError` saying what it is instead.
 
-    An incomplete checkpoint (shard files, no index) is left to `read_index`, whose
+    An incomplete checkpoint (rank files, no index) is left to `read_index`, whose
     message ("was the save interrupted?") fits it.
     """
     path = Path(text)
@@ -133,7 +133,7 @@ def output_file(text: str, checkpoint: Path) -> Path:
                          f"e.g. {out / 'model.safetensors'}")
     if out.resolve().is_relative_to(checkpoint.resolve()):  # symlinks resolved
         raise ValueError(f"{out} is inside the checkpoint {checkpoint}; write the consolidated "
-                         "file elsewhere (it would replace or mix with the shard files)")
+                         "file elsewhere (it would replace or mix with the rank files)")
     if out.parent.exists() and not out.parent.is_dir():
         raise ValueError(f"{out}: {out.parent} is a file, not a directory")
     if not out.parent.is_dir():

@@ -73,12 +73,12 @@ __all__ = [
 ]
 
 # Test-only fault injection: "PHASE:RANK" (or "PHASE:RANK,RANK...") makes those ranks SIGKILL
-# themselves at PHASE. Phases: "writing" (half of a shard file written), "before_rename" (the
+# themselves at PHASE. Phases: "writing" (half of a rank file written), "before_rename" (the
 # new directory complete), the overwrite steps "overwrite_copied", "overwrite_pointed_to_copy",
 # "overwrite_moved_aside", "before_latest" (renamed into place), "before_cleanup" (pointer
 # moved), and recovery's "restore_copied", "restore_renamed".
 FAULT_ENV = "ZEROLITE_CHECKPOINT_FAULT"
-# Test-only: "PHASE:FILE" makes every rank wait at PHASE ("writing": before a shard file is
+# Test-only: "PHASE:FILE" makes every rank wait at PHASE ("writing": before a rank file is
 # opened) until FILE exists, so a test can act while an asynchronous save is in flight.
 HOLD_ENV = "ZEROLITE_CHECKPOINT_HOLD"
 LOCK_FILE = ".zerolite-save.lock"
@@ -205,7 +205,7 @@ def commit_checkpoint(
     path: Path, tmp: Path, index: dict[str, Any], records: list[dict[str, Any]],
     overwrite: bool, token: str,
 ) -> None:
-    """Rank 0, every shard file in ``tmp`` complete: write ``index`` with ``records`` (every
+    """Rank 0, every rank file in ``tmp`` complete: write ``index`` with ``records`` (every
     rank's file entry, by rank) and its checksum (last: it seals the index), put ``tmp``
     in place as ``path`` (`commit`) and remove leftovers of earlier saves."""
     index["files"] = records

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from zerolite.checkpoint.file_writer import SAFETENSORS_DTYPE, as_bytes, safetensors_header
 from zerolite.checkpoint.format import (
     CheckpointError,
     check_file,
@@ -34,12 +35,11 @@ from zerolite.checkpoint.format import (
     model_key,
     read_index,
 )
-from zerolite.checkpoint.shard_writer import SAFETENSORS_DTYPE, as_bytes, safetensors_header
 
 __all__ = ["consolidate", "inspect", "verify"]
 
 def verify(path: str | os.PathLike) -> dict[str, Any]:
-    """Check that every shard file exists with the size and sha256 the index records.
+    """Check that every rank file exists with the size and sha256 the index records.
 
     Single process; no communication. Returns the index.
 
@@ -142,7 +142,7 @@ def _read_param(
         covered += e - s
     if covered != numel or full is None:
         raise CheckpointError(
-            f"parameter {name!r}: the shard files cover {covered} of {numel} elements"
+            f"parameter {name!r}: the rank files cover {covered} of {numel} elements"
         )
     return full
 
@@ -178,14 +178,14 @@ def consolidate(
     path, out_file = Path(path), Path(out_file)
     index = verify(path)
     entries = _entries(path, index, dtype)
-    slots = []
+    header_entries = []
     offset = 0
     for name, shape, out_dtype, _ in entries:
         size = _numel(shape) * torch.empty(0, dtype=out_dtype).element_size()
-        slots.append((name, out_dtype, shape, offset, offset + size))
+        header_entries.append((name, out_dtype, shape, offset, offset + size))
         offset += size
     aliases = _aliases(index)
-    head = safetensors_header(slots, {"format": "pt", "aliases": json.dumps(aliases)})
+    head = safetensors_header(header_entries, {"format": "pt", "aliases": json.dumps(aliases)})
     tmp = out_file.with_name(f".{out_file.name}.tmp")
     with open(tmp, "wb") as f:
         f.write(head)

@@ -31,7 +31,7 @@ Requirements it meets:
   must be checkable on its own, also after being copied elsewhere. It detects accidental
   edits and corruption; it is not a signature (whoever edits both files on purpose gets
   past it), so `read_index` also checks the schema: types, known dtypes and stages, the
-  world size against the file list, shard file names (plain names inside the directory),
+  world size against the file list, rank file names (plain names inside the directory),
   and that the saved ranges of every parameter cover it exactly once.
 - **No pickle.** Tensors are safetensors; everything else is JSON.
 """
@@ -65,7 +65,7 @@ __all__ = [
     "master_key",
     "model_key",
     "read_index",
-    "shard_file",
+    "rank_file_name",
     "state_key",
     "to_json_value",
     "validate_index",
@@ -82,7 +82,7 @@ class CheckpointError(RuntimeError):
     """A checkpoint is missing, corrupt, or does not fit the model and optimizer."""
 
 
-def shard_file(rank: int, world_size: int) -> str:
+def rank_file_name(rank: int, world_size: int) -> str:
     return f"rank-{rank:05d}-of-{world_size:05d}.safetensors"
 
 
@@ -125,11 +125,11 @@ def file_digest(path: Path) -> tuple[int, str]:
 
 
 def check_file(path: Path, entry: dict[str, Any]) -> None:
-    """Raise unless the shard file ``entry`` of checkpoint ``path`` exists with the byte
+    """Raise unless the rank file ``entry`` of checkpoint ``path`` exists with the byte
     size and sha256 its index records (error names the file)."""
     file = path / entry["file"]
     if not file.is_file():
-        raise CheckpointError(f"{file}: missing shard file (rank {entry['rank']} of the save)")
+        raise CheckpointError(f"{file}: missing rank file (rank {entry['rank']} of the save)")
     size, sha = file_digest(file)
     if size != entry["bytes"]:
         raise CheckpointError(
@@ -351,10 +351,10 @@ def _check_files(index: dict[str, Any], where: str, world_size: int, params: dic
         here = f"{where}: files[{rank}]"
         if _need(entry, "rank", here, int) != rank:
             raise CheckpointError(f"{here}: 'rank' is {entry['rank']}, expected {rank}")
-        expected = shard_file(rank, world_size)
+        expected = rank_file_name(rank, world_size)
         if _need(entry, "file", here, str) != expected:
             raise CheckpointError(
-                f"{here}: 'file' is {entry['file']!r}, expected {expected!r} (shard files are "
+                f"{here}: 'file' is {entry['file']!r}, expected {expected!r} (rank files are "
                 "plain names inside the checkpoint directory)"
             )
         _count(entry, "bytes", here)

@@ -4,7 +4,7 @@ Each rank reads only the element ranges it owns under the *current* layout, from
 whichever files hold them (``get_slice`` reads part of a tensor without loading it).
 Everything is read and checked first -- file sizes and hashes (spread over the ranks,
 the verdict shared), names, shapes, dtypes, optimizer class, coverage of every range,
-param groups by parameter name (`zerolite.checkpoint.groups`), the number and classes of
+param groups by parameter name (`zerolite.checkpoint.param_groups`), the number and classes of
 LR schedulers (`zerolite.checkpoint.schedulers`) -- and ranks agree before any model,
 optimizer or RNG state changes, so a bad checkpoint fails on every rank together with an
 error naming the file, parameter or scheduler. Read ranges are copied into storage of
@@ -27,7 +27,6 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from zerolite import phase_events
 from zerolite.checkpoint.format import (
     LATEST,
     CheckpointError,
@@ -36,20 +35,20 @@ from zerolite.checkpoint.format import (
     model_key,
     read_index,
 )
-from zerolite.checkpoint.groups import (
-    check_groups,
-    check_hyperparameters,
-    piece_groups,
-    saved_groups,
-)
 from zerolite.checkpoint.json_codec import decode
+from zerolite.checkpoint.param_groups import (
+    check_hyperparameters,
+    check_param_groups,
+    piece_param_groups,
+    saved_param_groups,
+)
 from zerolite.checkpoint.range_reader import PieceReader, RangeReader
 from zerolite.checkpoint.residual_fold import apply_residuals, read_residuals
 from zerolite.checkpoint.save import model_only_tensors
 from zerolite.checkpoint.schedulers import apply_schedulers, plan_schedulers, restore_schedulers
-from zerolite.comm import runtime
 from zerolite.comm.consensus import agreed
-from zerolite.comm.small_exchange import all_gather_bytes
+from zerolite.comm.small_collectives import all_gather_bytes
+from zerolite.ground import phase_events, runtime
 from zerolite.optim.multi import class_name
 from zerolite.optim.sharded_optimizer import (
     ShardedOptimizer,
@@ -253,7 +252,7 @@ def _load(
             _index_entries(path),
         ):
             _check_model(index, optimizer)
-            check_groups(saved_groups(index), current_groups, path)
+            check_param_groups(saved_param_groups(index), current_groups, path)
             planned_schedulers = plan_schedulers(index, schedulers, path)
             _read_optimizer_side(path, index, optimizer, read)
             _read_model_side(path, index, model, optimizer, read)
@@ -282,7 +281,7 @@ def _current_groups(optimizer: ShardedOptimizer) -> dict[str, int]:
     """The optimizer's ``{parameter name: param group}`` over every rank: each rank knows the
     group of only its own pieces."""
     current: dict[str, int] = {}
-    payload = json.dumps(piece_groups(optimizer)).encode()
+    payload = json.dumps(piece_param_groups(optimizer)).encode()
     for entry in all_gather_bytes(
         payload, optimizer.group.world, what="checkpoint.load() (param groups)"
     ):

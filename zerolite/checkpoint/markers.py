@@ -1,6 +1,6 @@
 """Completion markers: how the ranks of an asynchronous save agree, through files.
 
-Before rank 0 commits, every rank's shard file must be complete; after it commits (or
+Before rank 0 commits, every rank's rank file must be complete; after it commits (or
 fails), every rank must learn the outcome. A synchronous save agrees with collectives on
 the training group. An asynchronous save cannot: its background threads would run those
 collectives at unpredictable points between the training step's own, on the same
@@ -18,12 +18,12 @@ requires to be shared by all ranks:
 
 Files, named after the save's directory ``NAME`` and token ``T``:
 
-- ``.NAME.T.rR.report``: rank R's file record (JSON) once its shard file is fsynced, or
+- ``.NAME.T.rR.report``: rank R's file record (JSON) once its rank file is fsynced, or
   its failure instead, naming its file;
 - ``.NAME.T.rR.verdict`` (R > 0): rank 0's outcome for rank R, committed or the error.
 
 [Note: reserved markers] The failure the markers report most often is a full disk (or a
-quota), which would stop a marker written then as surely as the shard file: the other ranks
+quota), which would stop a marker written then as surely as the rank file: the other ranks
 would wait ``timeout_s`` and guess that the failing rank died. So every rank creates its
 markers at the ``save`` call (`Markers.reserve`, while the ranks still agree: a root too
 full for them fails the call on every rank), filled with zeros and fsynced, so their blocks
@@ -102,7 +102,7 @@ class Markers:
         fsync_dir(self.root)
 
     def done(self, rank: int, record: dict[str, Any]) -> None:
-        """Rank ``rank``'s shard file is complete; ``record`` is its entry of the index."""
+        """Rank ``rank``'s rank file is complete; ``record`` is its entry of the index."""
         _write(self._file(rank, "report"), b"D", json.dumps(record).encode(), cut=False)
 
     def failed(self, rank: int, message: str) -> None:
@@ -138,7 +138,7 @@ class Markers:
             if time.monotonic() > deadline:
                 silent = [r for r in range(self.world_size) if r not in records]
                 raise CheckpointError(
-                    f"rank(s) {silent} did not report their shard files within "
+                    f"rank(s) {silent} did not report their rank files within "
                     f"{self.timeout_s:g}s (ZeroConfig.timeout_s); did they die?"
                 )
             time.sleep(pause)

@@ -19,10 +19,10 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from zerolite import phase_events
 from zerolite.checkpoint.format import CheckpointError
 from zerolite.checkpoint.save import model_only_tensors, state_dict_names
 from zerolite.comm.consensus import agreed
+from zerolite.ground import phase_events
 from zerolite.state.pieces import Piece
 from zerolite.state.shard_state import ShardState, require_state
 

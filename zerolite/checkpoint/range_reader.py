@@ -64,7 +64,7 @@ class RangeReader:
             covered = hi
         if covered != end or not parts:
             raise CheckpointError(
-                f"parameter {name!r}: elements [{covered}, {end}) are in no shard file"
+                f"parameter {name!r}: elements [{covered}, {end}) are in no rank file"
             )
         return torch.cat(parts) if len(parts) > 1 else parts[0]
 

@@ -18,18 +18,18 @@ from typing import Any
 import torch
 from torch import nn
 
+from zerolite.checkpoint.file_writer import LazyTensor
 from zerolite.checkpoint.format import (
     FORMAT,
     frozen_key,
     master_key,
     model_key,
-    shard_file,
+    rank_file_name,
     state_key,
 )
-from zerolite.checkpoint.groups import piece_groups
+from zerolite.checkpoint.param_groups import piece_param_groups
 from zerolite.checkpoint.residuals import residual_tensors
-from zerolite.checkpoint.shard_writer import LazyTensor
-from zerolite.comm import runtime
+from zerolite.ground import runtime
 from zerolite.optim.sharded_optimizer import ShardedOptimizer
 from zerolite.state.pieces import Piece
 from zerolite.state.shard_state import ShardState
@@ -39,7 +39,7 @@ __all__ = ["RankFile", "model_only_tensors", "rank_file", "state_dict_names"]
 
 @dataclasses.dataclass
 class RankFile:
-    """One rank's shard file: its name, tensors by key, and what its index entry records.
+    """One rank's rank file: its name, tensors by key, and what its index entry records.
 
     Attributes:
         file: ``rank-R-of-N.safetensors``.
@@ -112,12 +112,12 @@ def rank_file(model: nn.Module, opt: ShardedOptimizer) -> RankFile:
         for name, tensor in model_only_tensors(model, state).items():
             tensors[model_key(name)] = tensor.detach()
     return RankFile(
-        file=shard_file(opt.group.rank, opt.group.size),
+        file=rank_file_name(opt.group.rank, opt.group.size),
         rank=opt.group.rank,
         tensors=tensors,
         pieces=pieces,
         frozen_pieces=frozen_pieces,
-        groups=piece_groups(opt),
+        groups=piece_param_groups(opt),
     )
 
 

@@ -1,4 +1,4 @@
-"""Error-feedback residuals at load: exact in the saved layout, folded onto any other.
+"""Error-feedback residuals at load: exact in the saved setup, folded onto any other.
 
 What a residual is, per parameter element ``x``: every data-parallel rank that sends its
 contribution to ``x``'s owner quantized holds what quantization lost of it
@@ -19,17 +19,17 @@ ranks it is linked to (one when the world shrinks: ranks fold onto ``s mod W'``;
 when it grows: ``s`` is repeated on ``s + W``, ``s + 2W``, ...). A value moves from one
 weight to another (``1/W`` to ``1/W'``, a cross-node part to the shard group's
 reduce-scatter) scaled so that its share of ``M(x)`` is unchanged. A rank that owns ``x``
-in a flat layout sends it exact and holds no residual for it: its share goes to the next
+in a flat partition sends it exact and holds no residual for it: its share goes to the next
 rank of its shard group. So every saved residual lands, scaled, in exactly one range per
 share, and ``M(x)`` is the saved one up to fp32 rounding of the sums (accumulated in
 fp64, rounded once).
 
-What is kept exactly: at the saved layout every range is filled from its own rank with
+What is kept exactly: at the saved setup every range is filled from its own rank with
 factor 1 and nothing else lands there, so a resumed run continues bit for bit; at the
 same world size under another bucket size, stage or partition, every rank keeps its own
 residuals wherever it still sends ``x`` (only the ranges whose owner changed gain the
 new owner's). What is redistributed: across world sizes and shard groups, the ranks'
-residuals are summed or repeated as above. Nothing is dropped while the new layout has a
+residuals are summed or repeated as above. Nothing is dropped while the new setup has a
 quantized reduce with error feedback; at world size 1, or with ``quantize_reduce`` off,
 nothing is exchanged quantized any more and there is nowhere to carry ``M(x)``.
 """
@@ -45,7 +45,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from zerolite.checkpoint.residuals import Slot, replica_of, slots
+from zerolite.checkpoint.residuals import ResidualRange, replica_of, residual_ranges
 from zerolite.optim.sharded_optimizer import ShardedOptimizer
 
 __all__ = ["apply_residuals", "links", "read_residuals"]
@@ -68,8 +68,8 @@ def links(target: int, world: int, saved_world: int) -> list[tuple[int, Fraction
     ]
 
 
-class _Layout:
-    """The weights of a layout's residual kinds in the mean gradient."""
+class _Setup:
+    """The weights of a setup's residual kinds in the mean gradient."""
 
     def __init__(self, shard_size: int, replicas: int) -> None:
         self.world = shard_size * replicas
@@ -83,7 +83,7 @@ class _SavedResiduals:
 
     def __init__(self, path: Path, index: dict[str, Any]) -> None:
         shard_size = index["world_size"]
-        self.layout = _Layout(shard_size, index.get("replicas", 1))
+        self.setup = _Setup(shard_size, index.get("replicas", 1))
         self.ranges: dict[tuple[int, str], list[tuple[str, int, int, Path, str]]] = (
             defaultdict(list)
         )
@@ -101,45 +101,45 @@ class _SavedResiduals:
                 self.ranges[(source, match["name"])].append((kind, start, end, file, key))
 
     def add_into(
-        self, out: torch.Tensor, source: int, slot: Slot, scale: Fraction, weight: Fraction
+        self, out: torch.Tensor, source: int, held: ResidualRange, scale: Fraction, weight: Fraction
     ) -> None:
-        """``out`` (fp64, the slot's length) += ``source``'s saved residuals on the slot's
-        elements, each times ``scale`` and its kind's weight over ``weight`` (the slot's)."""
-        for kind, start, end, file, key in self.ranges.get((source, slot.name), ()):
-            lo, hi = max(slot.start, start), min(slot.end, end)
+        """``out`` (fp64, the range's length) += ``source``'s saved residuals on the range's
+        elements, each times ``scale`` and its kind's weight over ``weight`` (the range's)."""
+        for kind, start, end, file, key in self.ranges.get((source, held.name), ()):
+            lo, hi = max(held.start, start), min(held.end, end)
             if lo >= hi:
                 continue
-            factor = float(scale * self.layout.weights[kind] / weight)
+            factor = float(scale * self.setup.weights[kind] / weight)
             with safe_open(file, framework="pt") as f:
                 values = f.get_slice(key)[lo - start : hi - start]
-            out[lo - slot.start : hi - slot.start].add_(values.double(), alpha=factor)
+            out[lo - held.start : hi - held.start].add_(values.double(), alpha=factor)
 
 
 def read_residuals(
     path: Path, index: dict[str, Any], opt: ShardedOptimizer
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """(target view, values) for every residual range of ``opt`` on this rank, from the
-    checkpoint at ``path`` under any layout (the rule in the module docstring; zeros where
+    checkpoint at ``path`` under any setup (the rule in the module docstring; zeros where
     the checkpoint holds none, e.g. saved without ``quantize_reduce``). Reads only."""
-    mine = list(slots(opt, replica_of(opt)))
+    mine = list(residual_ranges(opt, replica_of(opt)))
     if not mine:
         return []
     saved = _SavedResiduals(path, index)
     group = opt.group
     world, rank = group.world.size, group.world.rank
-    here = _Layout(group.size, world // group.size)
+    here = _Setup(group.size, world // group.size)
     first = rank - group.rank  # the world rank of this shard group's rank 0
     pairs = []
-    for slot in mine:
+    for held in mine:
         holders = [rank]
-        owner_next = (slot.chunk + 1) % group.size == group.rank
-        if slot.kind == "inner" and not slot.crossed and owner_next:
-            holders.append(first + slot.chunk)  # the owner holds none for its own chunk
-        out = torch.zeros(slot.end - slot.start, dtype=torch.float64)
+        owner_next = (held.chunk + 1) % group.size == group.rank
+        if held.kind == "inner" and not held.crossed and owner_next:
+            holders.append(first + held.chunk)  # the owner holds none for its own chunk
+        out = torch.zeros(held.end - held.start, dtype=torch.float64)
         for holder in holders:
-            for source, share in links(holder, world, saved.layout.world):
-                saved.add_into(out, source, slot, share, here.weights[slot.kind])
-        pairs.append((slot.view, out.float()))
+            for source, share in links(holder, world, saved.setup.world):
+                saved.add_into(out, source, held, share, here.weights[held.kind])
+        pairs.append((held.view, out.float()))
     return pairs
 
 

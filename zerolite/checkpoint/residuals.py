@@ -35,7 +35,10 @@ from zerolite.comm.quantized_replicas import replica_residual_rows
 from zerolite.optim.sharded_optimizer import ShardedOptimizer
 from zerolite.params.flat_buffer import FlatParamBuffer
 
-__all__ = ["PREFIX", "Slot", "gather_replica_residuals", "replica_of", "residual_tensors", "slots"]
+__all__ = [
+    "PREFIX", "ResidualRange", "gather_replica_residuals", "replica_of", "residual_ranges",
+    "residual_tensors",
+]
 
 PREFIX = "residual/"
 
@@ -59,7 +62,7 @@ def _ranges(
 
 
 @dataclasses.dataclass(frozen=True)
-class Slot:
+class ResidualRange:
     """One range of a residual this rank holds: a parameter's elements ``[start, end)``,
     whose gradient goes to chunk ``chunk`` of the shard group (its owner's). ``kind``:
     ``"inner"`` (the shard group's reduce-scatter, what this rank's contribution lost),
@@ -75,7 +78,7 @@ class Slot:
     crossed: bool  # the owner of these elements holds a cross-node residual for them
 
 
-def slots(opt: ShardedOptimizer, replica: int | None) -> Iterator[Slot]:
+def residual_ranges(opt: ShardedOptimizer, replica: int | None) -> Iterator[ResidualRange]:
     """Every range this rank sends quantized with error feedback; keys name replica
     ``replica`` (None: flat keys). What each residual row holds is its exchange's
     (`zerolite.comm.quantized.residual_chunks`,
@@ -92,7 +95,7 @@ def slots(opt: ShardedOptimizer, replica: int | None) -> Iterator[Slot]:
                 for name, start, end, at in _ranges(flat, chunk, 0, shard):
                     view = row[at : at + end - start]
                     key = f"{within}{name}/{start}-{end}"
-                    yield Slot(key, view, "inner", name, start, end, chunk, crossed)
+                    yield ResidualRange(key, view, "inner", name, start, end, chunk, crossed)
         if exchange.replica_residual is not None and replica is not None:
             r, part = exchange.replica_residual.shape
             rows = replica_residual_rows(replica, r)
@@ -100,13 +103,13 @@ def slots(opt: ShardedOptimizer, replica: int | None) -> Iterator[Slot]:
                 for name, start, end, at in _ranges(flat, rank, d * part, (d + 1) * part):
                     view = row[at : at + end - start]
                     key = f"{across}{phase}/{name}/{start}-{end}"
-                    yield Slot(key, view, phase, name, start, end, rank, crossed)
+                    yield ResidualRange(key, view, phase, name, start, end, rank, crossed)
 
 
 def _views(opt: ShardedOptimizer, replica: int | None) -> Iterator[tuple[str, torch.Tensor]]:
     """(key, 1-D fp32 view) of every `slots` range."""
-    for slot in slots(opt, replica):
-        yield slot.key, slot.view
+    for held in residual_ranges(opt, replica):
+        yield held.key, held.view
 
 
 def residual_tensors(opt: ShardedOptimizer) -> dict[str, torch.Tensor]:
@@ -125,7 +128,7 @@ def gather_replica_residuals(opt: ShardedOptimizer) -> dict[str, torch.Tensor]:
     mine = list(_views(opt, q))
     if not mine:
         return {}
-    # Slot keys and sizes follow from the layout, the shard and the replica index only:
+    # Residual ranges: keys and sizes follow from the layout, the shard and the replica index only:
     # the writer lays out what replica q sent by its own _views(opt, q).
     sent = torch.cat([view.reshape(-1) for _, view in mine])
     received = gather(sent, 0, replicas, what="checkpoint.save() (gathering replicas' residuals)")

@@ -45,7 +45,7 @@ import torch
 from torch import nn
 
 from zerolite._version import __version__
-from zerolite.checkpoint.async_save import stage, write_and_commit
+from zerolite.checkpoint.async_save import copy_to_staging, write_and_commit
 from zerolite.checkpoint.commit import (
     FAULT_ENV,
     SaveLock,
@@ -54,6 +54,7 @@ from zerolite.checkpoint.commit import (
     recover,
     remove_leftovers,
 )
+from zerolite.checkpoint.file_writer import byte_ranges, data_blocks, write_file
 from zerolite.checkpoint.format import (
     FORMAT,
     LATEST,
@@ -70,11 +71,10 @@ from zerolite.checkpoint.pending_save import PendingSave, finish_in_flight, star
 from zerolite.checkpoint.rank_file import model_only_tensors, rank_file, state_dict_names
 from zerolite.checkpoint.residuals import gather_replica_residuals
 from zerolite.checkpoint.schedulers import scheduler_entries
-from zerolite.checkpoint.shard_writer import layout, shard_chunks, write_shard
 from zerolite.checkpoint.staging import staging_area
 from zerolite.comm.collectives import Group
 from zerolite.comm.consensus import agreed
-from zerolite.comm.small_exchange import all_gather_bytes
+from zerolite.comm.small_collectives import all_gather_bytes
 from zerolite.optim.multi import class_name
 from zerolite.optim.sharded_optimizer import (
     ShardedOptimizer,
@@ -95,7 +95,7 @@ def _index(
         aliases.setdefault(id(p), []).append(name)
     # Every tied name -> the name it is saved under (the first), frozen ones included.
     tied = {alias: names[0] for names in aliases.values() for alias in names[1:]}
-    group_of = {id(t): g for g, group in enumerate(opt.param_groups) for t in group["params"]}
+    param_group_of = {id(t): g for g, group in enumerate(opt.param_groups) for t in group["params"]}
     # Per flat buffer and parameter index: this rank's master piece (at most one).
     master_of = {(id(pc.flat), pc.index): pc.master for pc in opt.shard_state.pieces()}
     params = []
@@ -106,7 +106,7 @@ def _index(
                 "name": name,
                 "shape": list(flat.shapes[i]),
                 "dtype": dtype_name(flat.data.dtype),
-                "group": group_of[id(master)] if master is not None else None,
+                "group": param_group_of[id(master)] if master is not None else None,
                 "aliases": [a for a in aliases[id(p)] if a != name],
             })
     steps = [
@@ -259,7 +259,7 @@ def _start_async(
             file = rank_file(model, optimizer)
             file.tensors.update(others)  # hybrid: the other replicas' residuals of this shard
             area = staging_area(optimizer)
-            stage(area, file)
+            copy_to_staging(area, file)
         # While the ranks agree: a full disk later must not silence the markers.
         markers.reserve(group.rank, {} if file is None else file.record(10**20, "0" * 64))
     work = functools.partial(
@@ -371,10 +371,10 @@ def _write_and_commit(
         if writes:
             file = rank_file(model, optimizer)
             file.tensors.update(others)  # hybrid: the other replicas' residuals of this shard
-            slots = layout(file.tensors)
+            ranges = byte_ranges(file.tensors)
             # One tensor at a time: offloaded values are read from their tier as written.
-            size, sha = write_shard(
-                tmp / file.file, slots, shard_chunks(slots, file.tensors), file.rank,
+            size, sha = write_file(
+                tmp / file.file, ranges, data_blocks(ranges, file.tensors), file.rank,
                 file.metadata,
             )
             file.tensors = {}

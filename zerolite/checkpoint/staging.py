@@ -4,7 +4,7 @@ An asynchronous save must write the state as it was at the call while training g
 changing the live tensors. So the call copies every tensor of the rank's file (masters,
 optimizer state, stage-3 parameter and frozen shards, RNG states; on rank 0 buffers and
 unsharded parameters) into one host byte buffer laid out exactly as the file's data
-section (`zerolite.checkpoint.shard_writer.layout`), and the background thread writes
+section (`zerolite.checkpoint.file_writer.byte_ranges`), and the background thread writes
 that buffer as it is. Offloaded values (`LazyTensor`) are read from their tier straight
 into the buffer, one tensor at a time: the buffer is the only copy made.
 
@@ -26,8 +26,8 @@ from collections.abc import Mapping
 
 import torch
 
-from zerolite.checkpoint.shard_writer import LazyTensor, Slot, as_bytes, layout
-from zerolite.comm import runtime
+from zerolite.checkpoint.file_writer import ByteRange, LazyTensor, as_bytes, byte_ranges
+from zerolite.ground import runtime
 from zerolite.state.pinned import host_buffer
 
 __all__ = ["StagingArea", "staging_area", "staging_bytes"]
@@ -38,12 +38,12 @@ class StagingArea:
 
     Attributes:
         buffer: uint8, 1-D, the file's data section (pinned when staged from CUDA).
-        slots: where each tensor lies in ``buffer``.
+        ranges: where each tensor lies in ``buffer``.
     """
 
     def __init__(self) -> None:
         self.buffer: torch.Tensor | None = None
-        self.slots: list[Slot] = []
+        self.ranges: list[ByteRange] = []
         self._pinned = False  # whether ``buffer`` was allocated for device copies
         _AREAS.add(self)
 
@@ -58,24 +58,24 @@ class StagingArea:
             raise RuntimeError("StagingArea.data: nothing was staged")
         return as_bytes(self.buffer)
 
-    def stage(self, tensors: Mapping[str, torch.Tensor | LazyTensor]) -> None:
+    def copy_in(self, tensors: Mapping[str, torch.Tensor | LazyTensor]) -> None:
         """Copy ``tensors`` (any device, any strides) into the buffer; on return the copy
         is complete, so the caller may change the tensors at once."""
-        slots = layout(tensors)
+        ranges = byte_ranges(tensors)
         devices = {
             t.device for t in tensors.values()
             if isinstance(t, torch.Tensor) and runtime.is_accelerator(t.device)
         }
         on_device = bool(devices)
-        size = slots[-1].end if slots else 0
-        if slots != self.slots or self.buffer is None or self._pinned != on_device:
+        size = ranges[-1].end if ranges else 0
+        if ranges != self.ranges or self.buffer is None or self._pinned != on_device:
             self.buffer = None  # free the old buffer before allocating the new one
             self.buffer = host_buffer(size, pinned=on_device)
             self._pinned = on_device
-            self.slots = slots
-        for slot in slots:
-            view = self.buffer[slot.start : slot.end].view(slot.dtype).view(slot.shape)
-            source = tensors[slot.key]
+            self.ranges = ranges
+        for extent in ranges:
+            view = self.buffer[extent.start : extent.end].view(extent.dtype).view(extent.shape)
+            source = tensors[extent.key]
             if isinstance(source, LazyTensor):  # offloaded: read from its tier into place
                 source.read_into(view.reshape(-1))
             else:

@@ -18,8 +18,8 @@ fixed order, so results do not depend on message arrival.
 
 [Note: lockstep] Every rank issues zerolite's exchanges in the same order, so each has a
 sequence number that is equal on every rank (`Group.sequence`). Point-to-point messages
-are tagged with it, and the small exchanges carry it (the step's gradient agreement,
-`zerolite.comm.small_exchange.all_gather_bytes`): a rank that skipped a step or an iteration
+are tagged with it, and the small collectives carry it (the step's gradient agreement,
+`zerolite.comm.small_collectives.all_gather_bytes`): a rank that skipped a step or an iteration
 cannot pair its messages with another step's -- it raises `RankMismatchError`, or waits
 and times out.
 
@@ -33,12 +33,12 @@ wait for the exchange and returns at once; the process group's own timeout and N
 watchdog bound it.
 
 Where tensors live is `zerolite.comm.devices`' decision (the group's buffer device and the
-communication device of small exchanges); small exchanges themselves are
-`zerolite.comm.small_exchange`'s; uneven and int8 chunks are `zerolite.comm.owned`'s and
+communication device of small collectives); small collectives themselves are
+`zerolite.comm.small_collectives`'s; uneven and int8 chunks are `zerolite.comm.owned`'s and
 `zerolite.comm.quantized`'s; which of them one flat buffer uses is its exchange object's
 (`zerolite.comm.exchange`). Data broadcasts, a gather to one rank and the replica
 all-reduce of hybrid sharding are here too: every collective of the package is in
-`zerolite.comm` (``tests/test_comm_boundary.py`` checks the source).
+`zerolite.comm` (``tests/structure/test_comm_boundary.py`` checks the source).
 
 Launches are asynchronous and return a `Pending`; callers decide when to `wait()`.
 With world size 1 (or no process group) nothing is communicated.
@@ -271,7 +271,7 @@ def all_reduce(
 ) -> None:
     """In-place all-reduce of a data tensor where it lives (a gradient shard across replica
     groups), waited ([Note: waits]); no-op for one rank. Small values (flags, counters,
-    norms) go through `zerolite.comm.small_exchange.exchange_small` instead."""
+    norms) go through `zerolite.comm.small_collectives.small_collective` instead."""
     if group.size > 1:
         group.next_sequence()
         with group.launching("zerolite::all_reduce", what):

@@ -18,7 +18,7 @@ import json
 from collections.abc import Iterator
 
 from zerolite.comm.collectives import Group
-from zerolite.comm.small_exchange import all_gather_bytes
+from zerolite.comm.small_collectives import all_gather_bytes
 from zerolite.errors import RankMismatchError
 
 __all__ = ["RankMismatchError", "agree", "agreed"]

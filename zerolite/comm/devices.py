@@ -1,4 +1,4 @@
-"""Where a sharded model's tensors and small exchanges live: decided once, at `shard()`.
+"""Where a sharded model's tensors and small collectives live: decided once, at `shard()`.
 
 Two devices matter, and this module is the only place that decides them:
 
@@ -8,10 +8,10 @@ Two devices matter, and this module is the only place that decides them:
   ``init_process_group(device_id=...)``, else the current CUDA device) when the group runs
   a CUDA backend other than gloo, else the CPU. ``"cuda"`` without an index means the
   current CUDA device and is resolved to it here, once.
-- the *communication device* of small exchanges (the step's agreement flags and
+- the *communication device* of small collectives (the step's agreement flags and
   counters, norms, overflow flags, digests of plans, generator states): the buffer device
   when its backend is not gloo (NCCL carries CUDA tensors only), else the CPU (gloo's
-  fastest path). `zerolite.comm.small_exchange` moves every small exchange there and back.
+  fastest path). `zerolite.comm.small_collectives` moves every small collective there and back.
 
 [Note: backends of a process group] ``dist.get_backend(pg)`` is not enough to tell what a
 group can carry. On torch 2.13 it is ``"gloo"`` or ``"nccl"`` for a group created with that
@@ -34,7 +34,7 @@ from collections.abc import Iterable, Mapping
 import torch
 import torch.distributed as dist
 
-from zerolite.comm import runtime
+from zerolite.ground import runtime
 
 __all__ = [
     "backends_of",
@@ -133,7 +133,7 @@ def meta_device(backends: Mapping[str, str], bound: torch.device | None) -> torc
 
 
 def communication_device(buffers: torch.device, backends: Mapping[str, str]) -> torch.device:
-    """Where small exchanges run for buffers on ``buffers`` over a group with ``backends``:
+    """Where small collectives run for buffers on ``buffers`` over a group with ``backends``:
     the buffer device unless its backend is gloo (or it has none), then the CPU when the
     group carries CPU tensors. With no process group (``{}``), the CPU."""
     backend = backends.get(buffers.type)

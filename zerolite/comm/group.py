@@ -1,7 +1,7 @@
 """`Group`: the communicator of one sharded model, as every exchange sees it.
 
 A process group with its rank, size and backends looked up once (`zerolite.comm.devices`),
-where the model's flat buffers live and where its small exchanges run, how reduce-scatters
+where the model's flat buffers live and where its small collectives run, how reduce-scatters
 and all-gathers travel (native kernels or point-to-point), how long a wait may take, and
 the lockstep counters of [Note: lockstep] in `zerolite.comm.collectives`.
 
@@ -118,7 +118,7 @@ class Group:
 
     @property
     def device(self) -> torch.device:
-        """Where small exchanges (flags, counters, norms, bytes) run: the communication
+        """Where small collectives (flags, counters, norms, bytes) run: the communication
         device of `zerolite.comm.devices` (the buffers' CUDA device on NCCL, else the CPU)."""
         return communication_device(self.buffer_device, self.backends)
 

@@ -37,7 +37,7 @@ buckets themselves change a bucket's counters or the used-flags.
 
 The entry points hooks and autograd callbacks call (`add_grad`, `end_backward`, `flush`,
 `reduce`, `zero`) are `not_compiled`: they also run inside a compiled function that runs
-``backward()``, and dynamo must not trace their collectives (see `zerolite.compile_guard`).
+``backward()``, and dynamo must not trace their collectives (see `zerolite.ground.compile_guard`).
 """
 
 from __future__ import annotations
@@ -51,10 +51,10 @@ import torch
 from torch import nn
 
 from zerolite.comm.collectives import Group
-from zerolite.comm.small_exchange import exchange_small
-from zerolite.compile_guard import not_compiled
+from zerolite.comm.small_collectives import small_collective
 from zerolite.errors import RankMismatchError
 from zerolite.grads.bucket import GradBucket
+from zerolite.ground.compile_guard import not_compiled
 
 __all__ = ["GradReducer", "install_no_sync"]
 
@@ -193,7 +193,7 @@ class GradReducer:
                 torch.tensor([v for c in counters for v in (c, -c)]),
             ]).to(torch.int64)
             # Over every rank (hybrid: all replica groups too), since all of them reduce.
-            flags = exchange_small(
+            flags = small_collective(
                 local, self.group.world, "max", what="step()'s gradient agreement"
             )
             _check_lockstep(self.group, flags[-6:].tolist())

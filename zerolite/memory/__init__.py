@@ -12,16 +12,18 @@
 - `plan(model_fn, batch_fn, world_size, memory, batch)`: the configurations that fit a
   budget, cheapest first (``zerolite plan``).
 - `checkpoint_blocks(model)`: activation checkpointing as the prediction means it.
+
+Its place among the layers (what it may import): docs/design.md, "Layers".
 """
 
 from zerolite.memory.activations import checkpoint_blocks
+from zerolite.memory.budget import PlanEntry, plan
 from zerolite.memory.estimate import estimate
 from zerolite.memory.footprint import STATE_BYTES_PER_PARAM, MemoryBreakdown, footprint, formula
 from zerolite.memory.ledger import CATEGORIES
 from zerolite.memory.measure import measure_peak
-from zerolite.memory.plan import PlanEntry, plan
+from zerolite.memory.peak_report import PeakPrediction
 from zerolite.memory.predict import predict_peak
-from zerolite.memory.prediction import PeakPrediction
 from zerolite.memory.track import MemoryTracker, PhasePeak, track
 
 __all__ = [

@@ -6,7 +6,7 @@ import dataclasses
 
 from zerolite.memory.estimate import estimate_sharded
 from zerolite.memory.footprint import MemoryBreakdown, footprint
-from zerolite.memory.prediction import PeakPrediction
+from zerolite.memory.peak_report import PeakPrediction
 from zerolite.memory.track import latest_peaks, step_peak
 from zerolite.optim.sharded_optimizer import ShardedOptimizer, require_sharded_optimizer
 

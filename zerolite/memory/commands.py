@@ -65,7 +65,7 @@ def add_estimate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shard-group-size", type=_world_size, default=None, metavar="K",
                         help="hybrid sharding: shard over groups of K ranks (e.g. the GPUs "
                              "per machine), replicate across them (default: all ranks)")
-    # The names the estimator knows state layouts for: one registry, so the two cannot drift.
+    # The names the estimator knows the state fields of: one registry, so the two cannot drift.
     parser.add_argument("--optimizer", default="adamw", choices=sorted(NAMED))
     parser.add_argument("--offload", choices=["disk", "host"], default=None,
                         help="optimizer state (and 16-bit masters) on this tier "

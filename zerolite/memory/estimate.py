@@ -39,9 +39,9 @@ from zerolite.optim.multi import inner_optimizers
 from zerolite.optim.sharded_optimizer import check_not_sharded, require_sharded_optimizer
 from zerolite.plan.layout import FlatLayout
 from zerolite.plan.offload import (
-    OffloadLayout,
+    OffloadPlan,
+    assign_slots,
     chunk_bytes_for,
-    offload_layout,
     state_fields,
     tensor_fields_of,
 )
@@ -65,7 +65,7 @@ def state_bytes(optimizer: torch.optim.Optimizer, group: dict) -> tuple[int, int
     spec = spec_of(optimizer)
     if spec is None:
         raise ValueError(
-            f"estimate() does not know the state layout of {type(optimizer).__name__}; use a "
+            f"estimate() does not know the state fields of {type(optimizer).__name__}; use a "
             "count, or measure with footprint()"
         )
     return spec.state_bytes(group)
@@ -89,7 +89,7 @@ def _breakdown(
     rank: int,
     unmanaged: list[nn.Parameter],
     frozen: list[FlatLayout],
-    offload: OffloadLayout | None = None,
+    offload: OffloadPlan | None = None,
     replicas: int = 1,
 ) -> MemoryBreakdown:
     """``frozen``: stage 3's buffers of frozen parameters (sharded, no gradient, no state);
@@ -97,7 +97,7 @@ def _breakdown(
     policy = STAGES[config.stage]
     p = _size(config.param_dtype)
     g = _size(config.grad_dtype)  # reduced gradients (the buckets and their shards)
-    kept_g = _size(policy.grad_dtype(config.param_dtype, config.grad_dtype))
+    kept_g = _size(policy.kept_grad_dtype(config.param_dtype, config.grad_dtype))
     padded = sum(b.layout.padded_numel for b in buffers)
     shard = sum(b.layout.shard_size(rank) for b in buffers)
     stepped_by = _optimizer_of_groups(optimizer)
@@ -220,7 +220,7 @@ def estimate(
     buffers = [
         _Buffer(
             plan.layout(b, shards),
-            [plan.group_of[id(p)] for _, p in params],
+            [plan.param_group_of[id(p)] for _, p in params],
             root=root_last and b == len(plan.flat_params) - 1,
         )
         for b, params in enumerate(plan.flat_params)
@@ -247,13 +247,13 @@ def _offload(
     config: ZeroConfig,
     rank: int,
     shards: int,
-) -> OffloadLayout:
-    """The offload layout `shard()` would make for ``rank`` of ``shards``."""
+) -> OffloadPlan:
+    """The offload plan `shard()` would make for ``rank`` of ``shards``."""
     # The probe step runs on CPU: a meta model's state has the same keys and dtypes.
     cpu = torch.device("cpu")
     owned = plan.owners is not None
     fields = [] if owned else [state_fields(opt, g, cpu) for g in opt.param_groups]
-    return offload_layout(
+    return assign_slots(
         [b.layout.numels for b in buffers], [b.groups for b in buffers], fields,
         config=config, rank=rank, world_size=shards, owners=plan.owners,
         shapes=[[tuple(p.shape) for _, p in params] for params in plan.flat_params],
@@ -285,7 +285,7 @@ def _formula_name(optimizer: str | torch.optim.Optimizer) -> str:
         )
     if name not in NAMED:
         raise ValueError(
-            f"estimate(): no state layout known for optimizer {name!r}; use one of "
+            f"estimate(): no state fields known for optimizer {name!r}; use one of "
             f"{sorted(NAMED)}, "
             "or pass the model with the optimizer instance, or measure with footprint()"
         )
@@ -296,10 +296,10 @@ def estimate_sharded(opt) -> MemoryBreakdown:  # noqa: ANN001 - a ShardedOptimiz
     """`estimate` for an optimizer already built by `shard()`, from its own layout."""
     require_sharded_optimizer(opt, "estimate_sharded()")
     buffers = []
-    group_of = {id(t): g for g, group in enumerate(opt.param_groups) for t in group["params"]}
+    param_group_of = {id(t): g for g, group in enumerate(opt.param_groups) for t in group["params"]}
     groups_of = {id(flat): [0] * len(flat.params) for flat in opt.flats}
     for piece in opt.shard_state.pieces():
-        groups_of[id(piece.flat)][piece.index] = group_of[id(piece.master)]
+        groups_of[id(piece.flat)][piece.index] = param_group_of[id(piece.master)]
     for i, flat in enumerate(opt.flats):
         root = STAGES[opt.config.stage].shards_parameters and i == len(opt.flats) - 1
         buffers.append(_Buffer(flat.layout, groups_of[id(flat)], root=root))
@@ -313,6 +313,6 @@ def estimate_sharded(opt) -> MemoryBreakdown:  # noqa: ANN001 - a ShardedOptimiz
         opt.group.rank,
         unmanaged,
         [f.layout for f in opt.frozen_flats],
-        None if opt.shard_state.offload is None else opt.shard_state.offload.layout,
+        None if opt.shard_state.offload is None else opt.shard_state.offload.plan,
         opt.group.world.size // opt.group.size,
     )

@@ -10,7 +10,7 @@ which parameters got gradients, the ranks' counters, lengths of byte strings. So
 
 - operations on small integer and boolean CPU tensors run for real (on real tensors):
   the flags and counters zerolite exchanges keep their values, and with the simulated
-  world (`zerolite.comm.simulated`) every agreement holds;
+  world (`zerolite.memory.simulated_world`) every agreement holds;
 - reading a fake value (``.item()``, ``bool(t)``) gives 0 -- no overflow, a zero norm --
   which changes no allocation zerolite makes.
 

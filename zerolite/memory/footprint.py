@@ -174,7 +174,7 @@ def footprint(opt: ShardedOptimizer) -> MemoryBreakdown:
         residual=residual,
         ownership_imbalance=layout_imbalance([f.layout for f in opt.flats]),
         offloaded=0 if tier is None else tier.arena_bytes,
-        offload_tier=None if tier is None else tier.layout.tier,
+        offload_tier=None if tier is None else tier.plan.tier,
         offload_staging=0 if tier is None else tier.staging_bytes,
     )
 
@@ -235,7 +235,7 @@ def formula(
         return psi / k if sharded else psi
 
     p = torch.empty(0, dtype=param_dtype).element_size()
-    kept_grad_dtype = policy.grad_dtype(param_dtype, reduce_dtype or param_dtype)
+    kept_grad_dtype = policy.kept_grad_dtype(param_dtype, reduce_dtype or param_dtype)
     g = torch.empty(0, dtype=kept_grad_dtype).element_size()
     # The gather runs over the k ranks of a shard group: none travels at k = 1.
     copied = quantize_gather and k > 1 and not policy.shards_parameters

@@ -39,7 +39,7 @@ CATEGORIES: dict[str, str] = {
     "before zerolite moves them into a bucket",
     "gathered": "stage 3's gathered units (full parameters)",
     "buckets": "gradients on their way into this rank's shard",
-    "communication": "receive buffers, quantized wires and small exchanges",
+    "communication": "receive buffers, quantized wires and small collectives",
     "clipping": "gradient clipping and loss-scaling temporaries",
     "optimizer_temporaries": "the optimizer's own temporaries, and 16-bit gradients upcast "
     "to fp32 for it",

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-from zerolite import phase_events
+from zerolite.assemble.steps import assemble
 from zerolite.config import ZeroConfig
 from zerolite.optim.sharded_optimizer import ShardedOptimizer
 from zerolite.plan.optimizers import build_named
@@ -59,15 +59,14 @@ def loss_of(output: Any) -> torch.Tensor:
 def build_sharded(
     model: nn.Module, optimizer: OptimizerChoice, config: ZeroConfig
 ) -> ShardedOptimizer:
-    """``zerolite.shard(model, optimizer, config)``, the optimizer built from its name
-    (default hyperparameters over every parameter) or by ``optimizer(model)``."""
+    """``zerolite.shard(model, optimizer, config)`` without its log line
+    (`zerolite.assemble.steps.assemble`), the optimizer built from its name (default
+    hyperparameters over every parameter) or by ``optimizer(model)``."""
     if isinstance(optimizer, str):
         opt: Any = build_named(optimizer, list(model.parameters()))
     else:
         opt = optimizer(model)
-    # `zerolite.shard` is a public face above this layer: it is passed down (docs/design.md,
-    # "Layers"), by zerolite.zero when it is imported.
-    return phase_events.shard_function()(model, opt, config)
+    return assemble(model, opt, config).sharded
 
 
 def train_step(

@@ -2,7 +2,7 @@
 
 The prediction runs the real thing on fake tensors (`zerolite.memory.fake_step`): the
 model is built, `zerolite.shard` shards it as rank ``r`` of ``N`` in a simulated world
-(`zerolite.comm.simulated`: no other process, every exchange completes at once) and two
+(`zerolite.memory.simulated_world`: no other process, every exchange completes at once) and two
 optimizer steps run, each of ``accumulation`` micro-steps, as a training loop would (the
 loop in `zerolite.memory.loop`, which `measure_peak` runs for real).
 
@@ -26,14 +26,14 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from zerolite.comm import runtime
-from zerolite.comm.simulated import simulated_world
 from zerolite.config import ZeroConfig
+from zerolite.ground import runtime
 from zerolite.memory.activations import checkpoint_blocks
 from zerolite.memory.fake_step import fake_step
 from zerolite.memory.ledger import PHASES, StorageLedger
 from zerolite.memory.loop import OptimizerChoice, build_sharded, train_step
-from zerolite.memory.prediction import PeakPrediction
+from zerolite.memory.peak_report import PeakPrediction
+from zerolite.memory.simulated_world import simulated_world
 from zerolite.optim.sharded_optimizer import ShardedOptimizer
 from zerolite.plan.optimizers import NAMED
 

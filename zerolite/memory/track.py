@@ -62,9 +62,8 @@ import psutil
 import torch
 from torch.utils._pytree import tree_leaves
 
-from zerolite import phase_events
 from zerolite.checkpoint.staging import staging_bytes
-from zerolite.comm import runtime
+from zerolite.ground import phase_events, runtime
 from zerolite.memory.footprint import footprint, offload_label
 from zerolite.memory.live import LiveTensorBytes
 from zerolite.optim.sharded_optimizer import ShardedOptimizer, require_sharded_optimizer
@@ -294,7 +293,7 @@ class MemoryTracker:
                         f"{self.staging / 1e6:.2f} MB")
         tier = None if self.opt is None else self.opt.shard_state.offload
         if tier is not None:
-            rows.append(f"{offload_label(tier.layout.tier)}: {self.offloaded / 1e6:.2f} MB")
+            rows.append(f"{offload_label(tier.plan.tier)}: {self.offloaded / 1e6:.2f} MB")
         return "\n".join(rows)
 
 

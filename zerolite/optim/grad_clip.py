@@ -18,7 +18,7 @@ from collections.abc import Sequence
 import torch
 
 from zerolite.comm.collectives import Group
-from zerolite.comm.small_exchange import exchange_small
+from zerolite.comm.small_collectives import small_collective
 from zerolite.params.flat_buffer import FlatParamBuffer
 from zerolite.plan.norm_tree import (
     RADIX,
@@ -84,11 +84,11 @@ class GradNorm:
             for s in shards:
                 if s.numel():
                     local = torch.maximum(local, s.detach().abs().max().float())
-            return exchange_small(local, self.group, "max", what=_WHAT)
+            return small_collective(local, self.group, "max", what=_WHAT)
         sent = _local_sums(self.local, shards, p, device)
         wire = torch.zeros(self.combine.width, dtype=torch.float32, device=device)
         wire[: sent.numel()] = sent
-        gathered = exchange_small(wire, self.group, "all_gather", what=_WHAT)
+        gathered = small_collective(wire, self.group, "all_gather", what=_WHAT)
         return _combine(self.combine, gathered.reshape(-1)) ** (1.0 / p)
 
 

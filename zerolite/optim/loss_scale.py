@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from zerolite.comm.collectives import Group
-from zerolite.comm.small_exchange import exchange_small
+from zerolite.comm.small_collectives import small_collective
 
 __all__ = ["DynamicLossScaler"]
 
@@ -48,12 +48,12 @@ class DynamicLossScaler:
         """True on every rank if any rank's ``shards`` hold an inf or nan.
 
         One host sync per call, not one per shard: the per-shard checks stay on the
-        shards' device and only the combined flag is read (`exchange_small`)."""
+        shards' device and only the combined flag is read (`small_collective`)."""
         flag = torch.zeros(1, dtype=torch.float32)
         if shards:
             bad = torch.stack([(~torch.isfinite(shard)).any() for shard in shards]).any()
             flag = bad.to(torch.float32).reshape(1)
-        flag = exchange_small(flag, group, "max", what="step()'s fp16 overflow check")
+        flag = small_collective(flag, group, "max", what="step()'s fp16 overflow check")
         return bool(flag.item())
 
     def update(self, overflow: bool) -> None:

@@ -25,7 +25,7 @@ _SCALAR_STATE = frozenset({"step", "eta", "mu", "mu_product"})
 def repoint_optimizer(
     optimizer: torch.optim.Optimizer,
     pieces: Iterable[Piece],
-    group_of: dict[int, int],
+    param_group_of: dict[int, int],
     frozen: Iterable[nn.Parameter],
 ) -> None:
     """Replace each group's ``"params"`` by this rank's master pieces; slice existing state.
@@ -33,7 +33,7 @@ def repoint_optimizer(
     Args:
         optimizer: the user's optimizer, still holding the model's parameters.
         pieces: this rank's pieces (`zerolite.state.shard_state.pieces_of`), in layout order.
-        group_of: ``id(param) -> index`` of the param group holding it.
+        param_group_of: ``id(param) -> index`` of the param group holding it.
         frozen: parameters the optimizer holds that are not trained (their state is dropped).
     """
     new_params: list[list[torch.Tensor]] = [[] for _ in optimizer.param_groups]
@@ -41,7 +41,7 @@ def repoint_optimizer(
     for piece in pieces:
         param = piece.flat.params[piece.index]
         flats[id(piece.flat)] = piece.flat
-        new_params[group_of[id(param)]].append(piece.master)
+        new_params[param_group_of[id(param)]].append(piece.master)
         old = optimizer.state.get(param)
         if old:
             optimizer.state[piece.master] = {

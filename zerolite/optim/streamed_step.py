@@ -42,7 +42,7 @@ from typing import Any
 
 import torch
 
-from zerolite.comm import runtime
+from zerolite.ground import runtime
 from zerolite.plan.offload import MASTER
 from zerolite.state.master import MasterShard
 from zerolite.state.offload import OffloadTier
@@ -85,10 +85,10 @@ def stream_step(
         masters: the buffers stepped now, each with ``grad_shard`` and ``used`` set.
         optimizer: the user's optimizer (its param groups hold the pieces' master views).
     """
-    group_of = {
+    param_group_of = {
         id(t): g for g, group in enumerate(optimizer.param_groups) for t in group["params"]
     }
-    chunks = _chunks(tier, masters, group_of, optimizer.state)
+    chunks = _chunks(tier, masters, param_group_of, optimizer.state)
     if not chunks:
         return
     reader, writer = tier.threads()
@@ -113,7 +113,7 @@ def stream_step(
 def _chunks(
     tier: OffloadTier,
     masters: list[MasterShard],
-    group_of: dict[int, int],
+    param_group_of: dict[int, int],
     optimizer_state: dict[Any, Any],
 ) -> list[list[_Segment]]:
     """This step's offloaded, used pieces, cut into chunks of at most ``chunk_bytes``."""
@@ -131,9 +131,9 @@ def _chunks(
                 continue  # no gradient anywhere: torch would skip it, state unchanged
             slot = tier.slot_of(buffer, j)
             assert slot is not None
-            per = max(1, tier.layout.slots[slot].bytes_per_element)
-            whole = tier.layout.slots[slot].nbytes
-            group = group_of[id(master.views[j])]
+            per = max(1, tier.plan.slots[slot].bytes_per_element)
+            whole = tier.plan.slots[slot].nbytes
+            group = param_group_of[id(master.views[j])]
             initialized = tier.initialized[slot]
             scalars = optimizer_state.get(master.views[j], {})
             lo = 0
@@ -267,7 +267,7 @@ def _step_chunk(
         if unknown:
             shapes = {k: tuple(seg.state[k].shape) for k in unknown}
             raise RuntimeError(
-                f"{type(optimizer).__qualname__} made state {shapes} that the offload layout "
+                f"{type(optimizer).__qualname__} made state {shapes} that the offload plan "
                 f"does not hold (it holds {keys}, sized from the parameter's shape): use "
                 "offload=None"
             )

@@ -57,10 +57,9 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import nn
 
-from zerolite import phase_events
-from zerolite.comm import runtime
 from zerolite.comm.collectives import Group
-from zerolite.comm.small_exchange import exchange_small
+from zerolite.comm.small_collectives import small_collective
+from zerolite.ground import phase_events, runtime
 from zerolite.params.flat_buffer import FlatParamBuffer
 
 __all__ = [
@@ -120,7 +119,7 @@ def _rank0_generators(device: torch.device, group: Group) -> Iterator[None]:
     # uint8, same sizes on every rank
     states = [torch.get_rng_state()] + [runtime.rng_state(d) for d in own]
     packed = torch.cat(states)
-    rank0 = exchange_small(
+    rank0 = small_collective(
         packed, group, "broadcast", src=0, what="shard()'s broadcast of rank 0's generator states"
     ).split([s.numel() for s in states])
     with runtime.fork_rng(own):

@@ -10,7 +10,7 @@ gathering one unit at a time: the device never holds more than one extra unit, a
 result is what an unsharded model's ``state_dict()`` holds (in the parameter dtype), as
 copies on the CPU instead of views.
 
-That is a collective, so every rank must call it. A small exchange comes first and names
+That is a collective, so every rank must call it. A small collective comes first and names
 the call: a rank that does not take part makes the others raise `zerolite.CollectiveTimeout`
 ("model.state_dict() ...") after ``ZeroConfig.timeout_s``, before any unit is gathered.
 
@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from zerolite.comm.small_exchange import exchange_small
+from zerolite.comm.small_collectives import small_collective
 
 __all__ = ["StateDictHooks"]
 
@@ -104,7 +104,7 @@ class StateDictHooks:
             if prefix + name in state_dict:
                 keys.setdefault(id(p), []).append(prefix + name)
         # Every rank is here, or the others learn so now, naming the call.
-        exchange_small(torch.zeros(1), s.group, "sum", what=_WHAT)
+        small_collective(torch.zeros(1), s.group, "sum", what=_WHAT)
         for i in range(len(s.flats)):
             s.refresh_stale(i)
             was_gathered = s.is_unsharded(i)

@@ -35,7 +35,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from zerolite.comm.collectives import Group, Pending
-from zerolite.compile_guard import not_compiled
+from zerolite.ground.compile_guard import not_compiled
 from zerolite.params.flat_buffer import FlatParamBuffer
 from zerolite.params.generation import install_synced_generate
 from zerolite.params.state_dict_hooks import StateDictHooks

@@ -35,7 +35,7 @@ def check_model(model: object) -> None:
 def trained_parameters(
     model: nn.Module, param_groups: Sequence[dict]
 ) -> tuple[dict[int, int], list[tuple[int, nn.Parameter]]]:
-    """The optimizer's parameters, checked: ``(group_of, frozen)``.
+    """The optimizer's parameters, checked: ``(param_group_of, frozen)``.
 
     Args:
         model: the model to shard.
@@ -47,7 +47,7 @@ def trained_parameters(
         ValueError: a parameter that is not the model's, listed twice, or not floating.
     """
     names = {id(p): n for n, p in model.named_parameters()}
-    group_of: dict[int, int] = {}
+    param_group_of: dict[int, int] = {}
     frozen: list[tuple[int, nn.Parameter]] = []
     for g, param_group in enumerate(param_groups):
         for i, p in enumerate(param_group["params"]):
@@ -57,7 +57,7 @@ def trained_parameters(
                     f"{where} is not a parameter of the model passed to shard(); build the "
                     "optimizer from this model's parameters"
                 )
-            if id(p) in group_of:
+            if id(p) in param_group_of:
                 raise ValueError(
                     f"{where} ({names[id(p)]!r}) appears in more than one place in the optimizer"
                 )
@@ -67,10 +67,10 @@ def trained_parameters(
                     f"can be sharded"
                 )
             if p.requires_grad:
-                group_of[id(p)] = g
+                param_group_of[id(p)] = g
             else:
                 frozen.append((g, p))
-    return group_of, frozen
+    return param_group_of, frozen
 
 
 def refuse_sparse_gradients(model: nn.Module, trained: dict[int, int]) -> None:

@@ -4,11 +4,11 @@ With ``ZeroConfig(offload="disk" | "host")`` the first pieces of this rank's sha
 layout order, until ``offload_fraction`` of its elements is covered) keep their
 per-element optimizer state (Adam's moments, SGD's momentum: whatever the optimizer
 keeps per element) and, for 16-bit parameters, their fp32 master in the tier's arena
-(`zerolite.state.offload`). `offload_layout` picks those pieces and gives each a `Slot`:
+(`zerolite.state.offload`). `assign_slots` picks those pieces and gives each a `Slot`:
 where its fields lie in the arena, byte for byte. `plan_offload` is `shard()`'s decision,
 checked against the tier (`zerolite.state.offload.check_offload`: the directory, its free
 space for the exact byte count, pinned memory) before anything changes;
-`zerolite.memory.estimate` counts the same layout.
+`zerolite.memory.estimate` counts the same plan.
 
 What stays resident: scalar state (a piece's ``step``) in ``optimizer.state``, fp32
 masters that are the parameters themselves, and, in 16-bit, a meta placeholder for each
@@ -39,10 +39,10 @@ if TYPE_CHECKING:
 
 __all__ = [
     "MASTER",
-    "OffloadLayout",
+    "OffloadPlan",
     "Slot",
+    "assign_slots",
     "chunk_bytes_for",
-    "offload_layout",
     "plan_offload",
     "state_fields",
     "tensor_fields_of",
@@ -100,7 +100,7 @@ class Slot:
 
 
 @dataclasses.dataclass(frozen=True)
-class OffloadLayout:
+class OffloadPlan:
     """What `shard()` offloads on this rank, decided before anything is built.
 
     Attributes:
@@ -212,7 +212,7 @@ def _shaped(dims: tuple[int | None, ...], shape: tuple[int, ...]) -> tuple[int, 
     return tuple(1 if d is None else shape[d] for d in dims)
 
 
-def offload_layout(
+def assign_slots(
     numels: Sequence[Sequence[int]],
     groups: Sequence[Sequence[int]],
     fields: Sequence[tuple[tuple[str, torch.dtype], ...]],
@@ -223,7 +223,7 @@ def offload_layout(
     owners: Sequence[Sequence[int]] | None = None,
     shapes: Sequence[Sequence[tuple[int, ...]]] | None = None,
     tensor_fields: Callable[[int, int], tuple[FieldSpec, ...]] | None = None,
-) -> OffloadLayout:
+) -> OffloadPlan:
     """Pick the offloaded pieces and lay out the arena (sizes only, no tensors).
 
     Args:
@@ -271,7 +271,7 @@ def offload_layout(
         slots.append(Slot(b, j, pc.numel, tuple(placed), field_shapes))
         per_buffer[b] = j + 1
         taken += pc.numel
-    return OffloadLayout(config.offload, tuple(slots), tuple(per_buffer), offset, master_bytes)
+    return OffloadPlan(config.offload, tuple(slots), tuple(per_buffer), offset, master_bytes)
 
 
 def tensor_fields_of(
@@ -298,7 +298,7 @@ def plan_offload(
     *,
     rank: int,
     world_size: int,
-) -> OffloadLayout | None:
+) -> OffloadPlan | None:
     """`shard()`'s offload decision for rank ``rank`` of the ``world_size`` that shard (None
     without ``config.offload``); reads sizes only, changes nothing. Whether the tier can hold
     it here is `zerolite.state.offload.check_offload`'s question."""
@@ -306,9 +306,9 @@ def plan_offload(
         return None
     if plan.partition == "tensor":  # the owners `shard()` assigns next, from sizes alone
         plan = assign_owners(plan, world_size)
-        return offload_layout(
+        return assign_slots(
             [[p.numel() for _, p in params] for params in plan.flat_params],
-            [[plan.group_of[id(p)] for _, p in params] for params in plan.flat_params],
+            [[plan.param_group_of[id(p)] for _, p in params] for params in plan.flat_params],
             [],
             config=config,
             rank=rank,
@@ -318,12 +318,12 @@ def plan_offload(
             tensor_fields=tensor_fields_of(optimizer, plan.device),
         )
     fields = [state_fields(optimizer, g, plan.device) for g in optimizer.param_groups]
-    layout = offload_layout(
+    offload = assign_slots(
         [[p.numel() for _, p in params] for params in plan.flat_params],
-        [[plan.group_of[id(p)] for _, p in params] for params in plan.flat_params],
+        [[plan.param_group_of[id(p)] for _, p in params] for params in plan.flat_params],
         fields,
         config=config,
         rank=rank,
         world_size=world_size,
     )
-    return layout
+    return offload

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from zerolite.config import ZeroConfig
-from zerolite.config_env import ALLOWED_DTYPES
+from zerolite.ground.config_env import ALLOWED_DTYPES
 
 __all__ = ["HostPrecision", "describe_precision", "resolve_param_dtype"]
 
@@ -68,7 +68,7 @@ def resolve_param_dtype(
 @dataclasses.dataclass(frozen=True)
 class HostPrecision:
     """What a host framework does around the model that `shard()` cannot see (set by the
-    integrations, `zerolite.zero.announcing_host`).
+    integrations, `zerolite.sharding.announcing_host`).
 
     Attributes:
         framework: whose loop it is: ``"Accelerate"`` or ``"Trainer"``.

@@ -46,7 +46,7 @@ class ShardPlan:
     Attributes:
         device: where the flat buffers live.
         flat_params: per trained flat buffer, in buffer order, its (name, param) list.
-        group_of: ``id(param) -> index`` of its param group (over every user optimizer).
+        param_group_of: ``id(param) -> index`` of its param group (over every user optimizer).
         frozen: (group index, param) held by the optimizer but not trainable.
         units: stage 3: the units, root last.
         frozen_flat_params: stage 3: per frozen flat buffer, its (name, param) list.
@@ -61,7 +61,7 @@ class ShardPlan:
 
     device: torch.device
     flat_params: list[Params]
-    group_of: dict[int, int]
+    param_group_of: dict[int, int]
     frozen: list[tuple[int, nn.Parameter]]
     units: list[Unit] | None = None
     frozen_flat_params: list[Params] = dataclasses.field(default_factory=list)
@@ -119,7 +119,7 @@ class ShardPlan:
             lines.append(f"group {g}: {sorted((k, _stable_repr(v)) for k, v in hyper.items())}")
         in_model_order = reversed([item for params in self.flat_params for item in params])
         for name, p in in_model_order:
-            lines.append(f"param {name}: shape={tuple(p.shape)} group={self.group_of[id(p)]}")
+            lines.append(f"param {name}: shape={tuple(p.shape)} group={self.param_group_of[id(p)]}")
         return lines + self._describe_model(model) + self._describe_buffers()
 
     def _describe_model(self, model: nn.Module) -> list[str]:
@@ -173,13 +173,13 @@ def plan_layout(
     partition = resolve_partition(config, optimizers)
     _check_optimizers(optimizers, partition, config)
     param_groups = [group for opt in optimizers for group in opt.param_groups]
-    group_of, frozen = trained_parameters(model, param_groups)
-    managed = [(n, p) for n, p in model.named_parameters() if id(p) in group_of]
+    param_group_of, frozen = trained_parameters(model, param_groups)
+    managed = [(n, p) for n, p in model.named_parameters() if id(p) in param_group_of]
     if not managed:
         raise ValueError(
             "the optimizer holds no trainable parameter of the model; nothing to shard"
         )
-    refuse_sparse_gradients(model, group_of)
+    refuse_sparse_gradients(model, param_group_of)
     source = check_one_device(managed)
     param_dtype = resolve_param_dtype(managed, config)
     on_meta = source.type == "meta"
@@ -194,8 +194,8 @@ def plan_layout(
             data_parallel_group(config) if needs_group else None,
         )
     plan = ShardPlan(
-        device=device, flat_params=[], group_of=group_of, frozen=frozen, on_meta=on_meta,
-        partition=partition, param_dtype=param_dtype,
+        device=device, flat_params=[], param_group_of=param_group_of, frozen=frozen,
+        on_meta=on_meta, partition=partition, param_dtype=param_dtype,
     )
     if STAGES[config.stage].shards_parameters:
         return _unit_buffers(plan, model, managed, source, config)

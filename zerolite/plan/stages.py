@@ -4,7 +4,7 @@ Stages compose: stage 1 shards the optimizer state (fp32 masters and moments), s
 adds the gradients, stage 3 adds the parameters. Stage 0 is plain DDP, which shards
 nothing; only the memory estimator knows it. Code asks the table what a stage has
 (``STAGES[config.stage].shards_gradients``), never which stage it is, so
-`zerolite.zero` (the wiring), `zerolite.memory.estimate` and `zerolite.memory.formula`
+`zerolite.assemble` (the wiring), `zerolite.memory.estimate` and `zerolite.memory.formula`
 cannot disagree on it.
 """
 
@@ -34,9 +34,10 @@ class StagePolicy:
     shards_gradients: bool
     shards_parameters: bool
 
-    def grad_dtype(self, param_dtype: torch.dtype, reduce_dtype: torch.dtype) -> torch.dtype:
-        """dtype of the gradients a rank keeps: shards in ``reduce_dtype``, or full
-        gradients in ``param_dtype``."""
+    def kept_grad_dtype(self, param_dtype: torch.dtype, reduce_dtype: torch.dtype) -> torch.dtype:
+        """dtype of the gradients a rank keeps until the step: its reduced shards in
+        ``reduce_dtype`` (`zerolite.config.ZeroConfig.grad_dtype`) when the stage shards
+        gradients, else full gradients in ``param_dtype`` (which ``.grad`` views)."""
         return reduce_dtype if self.shards_gradients else param_dtype
 
 

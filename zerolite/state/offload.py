@@ -1,7 +1,7 @@
 """The offload tier: this rank's share of the optimizer state outside compute memory.
 
 `zerolite.plan.offload` decides which pieces are offloaded and where each field lies (an
-`OffloadLayout` of `Slot`s); the `OffloadTier` holds them in an *arena*:
+`OffloadPlan` of `Slot`s); the `OffloadTier` holds them in an *arena*:
 
 - ``"disk"``: one preallocated file per rank and model under ``offload_dir``, read and
   written with ``pread``/``pwrite`` (the page cache is the kernel's, not the process's),
@@ -25,9 +25,9 @@ from typing import Any
 
 import torch
 
-from zerolite.comm import runtime
 from zerolite.config import ZeroConfig
-from zerolite.plan.offload import MASTER, OffloadLayout, chunk_bytes_for
+from zerolite.ground import runtime
+from zerolite.plan.offload import MASTER, OffloadPlan, chunk_bytes_for
 from zerolite.state.arena import DiskArena, HostArena
 from zerolite.state.master import MasterShard
 from zerolite.state.pinned import host_buffer, pinning_available
@@ -35,12 +35,12 @@ from zerolite.state.pinned import host_buffer, pinning_available
 __all__ = ["OffloadTier", "build_tier", "check_offload"]
 
 
-def check_offload(layout: OffloadLayout, config: ZeroConfig, device: torch.device) -> None:
-    """Raise ValueError if the tier cannot hold ``layout`` (run by `shard()` before it
+def check_offload(plan: OffloadPlan, config: ZeroConfig, device: torch.device) -> None:
+    """Raise ValueError if the tier cannot hold ``plan`` (run by `shard()` before it
     changes anything): a missing or unwritable directory, too little free space for the
     exact byte count, or ``"host"`` for a CUDA model on a system that cannot pin memory
     (its staging buffers need it)."""
-    if layout.tier == "disk":
+    if plan.tier == "disk":
         where = config.offload_dir
         if where is None or not os.path.isdir(where):
             raise ValueError(
@@ -56,10 +56,10 @@ def check_offload(layout: OffloadLayout, config: ZeroConfig, device: torch.devic
                 "pass a directory you can write to"
             ) from None
         free = shutil.disk_usage(where).free
-        if free < layout.nbytes:
+        if free < plan.nbytes:
             raise ValueError(
                 f"ZeroConfig.offload_dir: {where!r} has {free} bytes free; offloading this "
-                f"rank's optimizer state needs {layout.nbytes} bytes. Free space, pick another "
+                f"rank's optimizer state needs {plan.nbytes} bytes. Free space, pick another "
                 "directory or lower offload_fraction"
             )
     elif runtime.is_accelerator(device) and not pinning_available():
@@ -82,7 +82,7 @@ class OffloadTier:
     tensors and may run on any thread; one piece is never read and written at once.
 
     Args:
-        layout: from `offload_layout` (already checked by `check_offload`).
+        plan: from `assign_slots` (already checked by `check_offload`).
         config: the model's config (``offload_dir``).
         device: the model's device (its staging buffers are pinned for CUDA).
         rank: this rank (in the file name).
@@ -92,25 +92,25 @@ class OffloadTier:
 
     def __init__(
         self,
-        layout: OffloadLayout,
+        plan: OffloadPlan,
         config: ZeroConfig,
         device: torch.device,
         rank: int,
         arena: DiskArena | HostArena | None = None,
     ) -> None:
-        self.layout = layout
+        self.plan = plan
         self.device = device
-        self.arena = arena if arena is not None else reserve_arena(layout, config, rank)
+        self.arena = arena if arena is not None else reserve_arena(plan, config, rank)
         # Bytes the streamed step moves at once (tests lower it to split pieces).
-        self.chunk_bytes = chunk_bytes_for(layout.nbytes)
+        self.chunk_bytes = chunk_bytes_for(plan.nbytes)
         # Per slot: whether the optimizer has made its state yet (torch creates state
         # lazily, and e.g. SGD's first momentum is the gradient, not a zero-started one).
-        self.initialized = [False] * len(layout.slots)
+        self.initialized = [False] * len(plan.slots)
         # The streamed step's three staging buffers (reading, stepping, writing) and its
         # reader and writer threads; made at the first step, kept while the tier lives.
         self.staging: list[torch.Tensor] = []
         self._threads: tuple[ThreadPoolExecutor, ThreadPoolExecutor] | None = None
-        self._slot_of = {(s.buffer, s.position): i for i, s in enumerate(layout.slots)}
+        self._slot_of = {(s.buffer, s.position): i for i, s in enumerate(plan.slots)}
 
     @property
     def path(self) -> str | None:
@@ -148,7 +148,7 @@ class OffloadTier:
     def field_shape(self, slot: int, field: str) -> tuple[int, ...]:
         """The field's shape: 1-D of the piece's elements, or, for a whole owned tensor,
         the shape the optimizer keeps it in (`zerolite.plan.offload.Slot.shapes`)."""
-        return self.layout.slots[slot].shape(field)
+        return self.plan.slots[slot].shape(field)
 
     def read_into(self, slot: int, field: str, lo: int, out: torch.Tensor) -> None:
         """Read elements [lo, lo + out.numel()) of one field into ``out`` (contiguous,
@@ -175,10 +175,10 @@ class OffloadTier:
 
     def state_keys(self, slot: int) -> list[str]:
         """The per-element state keys slot ``slot`` holds."""
-        return [name for name, _, _ in self.layout.slots[slot].fields if name != MASTER]
+        return [name for name, _, _ in self.plan.slots[slot].fields if name != MASTER]
 
     def has_master(self, slot: int) -> bool:
-        return any(name == MASTER for name, _, _ in self.layout.slots[slot].fields)
+        return any(name == MASTER for name, _, _ in self.plan.slots[slot].fields)
 
     def read_state(self, slot: int) -> dict[str, torch.Tensor]:
         """A whole piece's per-element state, each field in its shape (empty before its
@@ -206,7 +206,7 @@ class OffloadTier:
             if value.numel() != math.prod(shape):
                 raise ValueError(
                     f"offloaded optimizer state {key!r} has shape {tuple(value.shape)}, the "
-                    f"offload layout holds {shape}"
+                    f"offload plan holds {shape}"
                 )
             self.write(slot, key, 0, value.reshape(-1))
         self.initialized[slot] = bool(per_element) or (not keys and bool(state))
@@ -220,14 +220,14 @@ class OffloadTier:
         self.staging = []
 
     def _field(self, slot: int, field: str) -> tuple[torch.dtype, int]:
-        for name, dtype, offset in self.layout.slots[slot].fields:
+        for name, dtype, offset in self.plan.slots[slot].fields:
             if name == field:
                 return dtype, offset
         raise KeyError(f"offload slot {slot} has no field {field!r}")
 
 
-def reserve_arena(layout: OffloadLayout, config: ZeroConfig, rank: int) -> DiskArena | HostArena:
-    """The bytes ``layout`` needs, reserved in full (disk: ``posix_fallocate`` of a file
+def reserve_arena(plan: OffloadPlan, config: ZeroConfig, rank: int) -> DiskArena | HostArena:
+    """The bytes ``plan`` needs, reserved in full (disk: ``posix_fallocate`` of a file
     unlinked at once). `shard()` reserves inside the ranks' agreement, before anything
     changes: a rank without room (a full or shared filesystem, ``ulimit -f``) raises there,
     on every rank, and the peers' reservations are released with their arenas.
@@ -235,26 +235,26 @@ def reserve_arena(layout: OffloadLayout, config: ZeroConfig, rank: int) -> DiskA
     Raises:
         ValueError: the space cannot be reserved, naming the directory and the byte count.
     """
-    if layout.tier == "disk":
-        return DiskArena(str(config.offload_dir), layout.nbytes, rank)
-    return HostArena(layout.nbytes)
+    if plan.tier == "disk":
+        return DiskArena(str(config.offload_dir), plan.nbytes, rank)
+    return HostArena(plan.nbytes)
 
 
 @torch.no_grad()
 def build_tier(
-    layout: OffloadLayout,
+    plan: OffloadPlan,
     masters: list[MasterShard],
     optimizer: torch.optim.Optimizer,
     config: ZeroConfig,
     rank: int,
     arena: DiskArena | HostArena | None = None,
 ) -> OffloadTier:
-    """The tier for ``layout`` (in ``arena``, if reserved already), holding the offloaded
+    """The tier for ``plan`` (in ``arena``, if reserved already), holding the offloaded
     pieces' masters (16-bit: their values from the parameter shard) and any state the
     optimizer already had."""
     device = masters[0].flat.data.device if masters else torch.device("cpu")
-    tier = OffloadTier(layout, config, device, rank, arena)
-    for index, slot in enumerate(layout.slots):
+    tier = OffloadTier(plan, config, device, rank, arena)
+    for index, slot in enumerate(plan.slots):
         master = masters[slot.buffer]
         span = master.flat.spans[slot.position]
         view = master.views[slot.position]

@@ -140,7 +140,7 @@ def pieces_of(
     exists, to re-point the optimizer at the pieces (and before the offload tier exists).
     ``param_groups``: the optimizer's, to give each piece its group (`Piece.param_group`).
     """
-    group_of = {id(t): g for g in param_groups for t in g["params"]}
+    param_group_of = {id(t): g for g in param_groups for t in g["params"]}
     for b, master in enumerate(masters):
         flat = master.flat
         for j, (span, view) in enumerate(zip(flat.spans, master.views)):
@@ -157,5 +157,5 @@ def pieces_of(
                 tier=None if slot is None else tier,
                 slot=-1 if slot is None else slot,
                 optimizer_state=optimizer_state,
-                param_group=group_of.get(id(view)),
+                param_group=param_group_of.get(id(view)),
             )

@@ -6,7 +6,7 @@ buffer pins 16 GB, and freeing it gives nothing back. zerolite pins only what de
 stream through (the streamed step's staging buffers, an asynchronous save's staging area),
 and pins them in place instead: an ordinary host allocation of exactly ``nbytes``,
 page-locked with ``cudaHostRegister`` (as ``torch.distributed.checkpoint``'s stager does,
-through `zerolite.comm.runtime.register_host`) and unregistered when its storage is freed.
+through `zerolite.ground.runtime.register_host`) and unregistered when its storage is freed.
 The kernel locks whole pages, so at most one page more than asked is locked. Without CUDA,
 or where registering fails, the buffer stays pageable: copies through it are then
 synchronous but still correct.
@@ -21,7 +21,7 @@ import weakref
 
 import torch
 
-from zerolite.comm import runtime
+from zerolite.ground import runtime
 
 __all__ = ["host_buffer", "pinning_available"]
 

@@ -1,0 +1,2 @@
+"""Features crossed with each other: the pairwise matrix and the combinations checked in
+depth."""

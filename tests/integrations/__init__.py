@@ -1,0 +1,2 @@
+"""Accelerate, the HF Trainer and transformers' own loops and models, against their stock
+runs under DDP."""

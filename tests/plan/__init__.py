@@ -1,0 +1,1 @@
+"""What shard() decides from sizes alone: the flat layout."""

@@ -1,0 +1,279 @@
+"""`plan`: the configurations that fit a memory budget, cheapest first.
+
+For each combination of stage, ``param_dtype``, offload tier and the fraction offloaded,
+activation checkpointing and shard group size (hybrid sharding: sharded within groups of
+k ranks, replicated across the ``world_size / k`` groups; k = ``world_size`` is plain
+sharding), `predict_peak` is asked for the largest micro-batch (``batch``, then halves of
+it) whose step fits ``memory``; the rest of ``batch`` is gradient accumulation. A combination with
+no micro-batch that fits is rejected, saying by how much its smallest step is over.
+
+[Note: plan cost] Configurations that fit are ordered by what their step costs beyond
+the same arithmetic, most expensive kinds first:
+
+1. offload: the step streams the optimizer state through the device every step (none,
+   then host, then disk); within a tier, fewer bytes offloaded (`PeakPrediction.offloaded`)
+   first: a partial offload (``offload_fraction`` < 1) streams less than a full one;
+2. activation checkpointing: every forward runs twice (off before on);
+3. bytes this rank sends per optimizer step (`PeakPrediction.communication_bytes`:
+   stage 2 and 3, and fp32 parameters, send more). Hybrid sharding is counted the same
+   way: every byte the rank sends, within its shard group and across the groups alike,
+   with no weight for the slower link between groups. Its stage 1 and 2 send as many
+   bytes as sharding over every rank (in a ring, the reduce-scatter and all-gather
+   within the group and the all-reduce of the shard across groups add up to the
+   reduce-scatter and all-gather over all ranks; the small collectives differ by a few
+   hundred bytes), its stage 3 fewer (parameters are gathered within the group); fewer of them cross
+   between groups in every stage. It holds more per rank, so it ranks ahead only when it
+   fits;
+4. forwards per step (accumulation: a smaller micro-batch uses the device less well).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tempfile
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from zerolite.config import ZeroConfig
+from zerolite.memory.loop import OptimizerChoice
+from zerolite.memory.peak_report import PeakPrediction, human_bytes
+from zerolite.memory.predict import predict_peak
+
+__all__ = ["PlanEntry", "plan"]
+
+_OFFLOAD_ORDER = {None: 0, "host": 1, "disk": 2}
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanEntry:
+    """One configuration `plan` considered.
+
+    Attributes:
+        config: the `ZeroConfig` keyword arguments (``param_dtype`` a ``torch.dtype``).
+        micro_batch: samples per forward; ``accumulation`` forwards make the step.
+        accumulation: micro-steps per optimizer step.
+        activation_checkpointing: whether `checkpoint_blocks` is applied.
+        peak_bytes: the predicted peak on one rank (at the smallest micro-batch when
+            nothing fits).
+        fits: whether ``peak_bytes`` is within the budget.
+        communication_bytes: what the rank sends per optimizer step.
+        reason: why it does not fit (None when it does).
+        offloaded_bytes: bytes on the offload tier, streamed once per step (0: none).
+    """
+
+    config: dict[str, Any]
+    micro_batch: int
+    accumulation: int
+    activation_checkpointing: bool
+    peak_bytes: int
+    fits: bool
+    communication_bytes: int
+    reason: str | None = None
+    offloaded_bytes: int = 0
+
+    def zero_config_line(self) -> str:
+        """The one line of Python that makes this configuration's `ZeroConfig`."""
+        args = ", ".join(
+            f"{k}=torch.{str(v).removeprefix('torch.')}" if isinstance(v, torch.dtype)
+            else f"{k}={v!r}"
+            for k, v in self.config.items()
+        )
+        return f"zerolite.ZeroConfig({args})"
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-ready dict (``param_dtype`` as its name, e.g. ``"bfloat16"``)."""
+        config = {
+            k: str(v).removeprefix("torch.") if isinstance(v, torch.dtype) else v
+            for k, v in self.config.items()
+        }
+        return {**dataclasses.asdict(self), "config": config}
+
+    def cost(self) -> tuple:
+        """[Note: plan cost]: smaller is cheaper."""
+        return (_OFFLOAD_ORDER[self.config.get("offload")], self.offloaded_bytes,
+                self.activation_checkpointing, self.communication_bytes, self.accumulation,
+                self.config["stage"])
+
+
+def _micro_batches(batch: int) -> list[int]:
+    """``batch``, then halves of it while they divide it evenly, down to 1."""
+    out = [batch]
+    while out[-1] % 2 == 0:
+        out.append(out[-1] // 2)
+    if out[-1] != 1:
+        out.append(1)
+    return out
+
+
+def plan(
+    model_fn: Callable[[], nn.Module],
+    batch_fn: Callable[[int], Any],
+    world_size: int,
+    memory: int,
+    batch: int,
+    *,
+    stages: Sequence[int] = (1, 2, 3),
+    param_dtypes: Sequence[torch.dtype] = (torch.float32, torch.bfloat16),
+    offloads: Sequence[str | None] = (None, "host", "disk"),
+    checkpointing: Sequence[bool] = (False, True),
+    offload_fractions: Sequence[float] = (0.5, 1.0),
+    shard_group_sizes: Sequence[int] | None = None,
+    base: ZeroConfig | None = None,
+    offload_dir: str | None = None,
+    optimizer: OptimizerChoice = "adamw",
+    max_grad_norm: float | None = 1.0,
+    device: str = "cpu",
+) -> list[PlanEntry]:
+    """Every configuration considered, those that fit first, cheapest first ([Note: plan
+    cost]); then the rejected ones, least over the budget first.
+
+    Single process, no process group (see `predict_peak`); nothing is allocated.
+
+    Args:
+        model_fn: ``() -> nn.Module`` (see `predict_peak`).
+        batch_fn: ``(micro_batch) -> batch`` of keyword arguments for ``model(**batch)``.
+        world_size: N, the data-parallel ranks.
+        memory: the budget per rank, bytes (of ``device``).
+        batch: samples per rank per optimizer step; micro-batch x accumulation.
+        stages: the stages searched.
+        param_dtypes: the parameter dtypes searched.
+        offloads: the offload tiers searched (None: no offload).
+        checkpointing: the activation checkpointing settings searched.
+        offload_fractions: the ``offload_fraction``s searched for each offload tier, each
+            in (0, 1].
+        shard_group_sizes: the shard group sizes k searched, each a divisor of
+            ``world_size`` (k = ``world_size``: sharded over every rank; a smaller k:
+            hybrid sharding, ``shard_group_size=k``). Default: ``world_size`` and each
+            of its divisors k with 1 < k < ``world_size``.
+        base: other `ZeroConfig` settings every configuration keeps.
+        offload_dir: the directory of a disk tier (default: the system's temporary one).
+        optimizer: as for `predict_peak`.
+        max_grad_norm: as for `predict_peak`.
+        device: as for `predict_peak`; ``memory`` is of this device.
+    Returns:
+        `PlanEntry`s; ``entries[0]`` is the one to use when ``entries[0].fits``.
+    Raises:
+        ValueError: ``world_size``, ``memory`` or ``batch`` < 1, an empty search, a fraction outside
+            (0, 1], a group size that does not divide ``world_size``, or `predict_peak`'s
+            own.
+    """
+    for name, value in (("world_size", world_size), ("memory", memory), ("batch", batch)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"plan(): {name} must be an int >= 1, got {value!r}")
+    groups = _group_sizes(world_size, shard_group_sizes)
+    tiers = _tiers(offloads, offload_fractions)
+    combos = [(s, d, o, c, k) for s in stages for d in param_dtypes for o in tiers
+              for c in checkpointing for k in groups]
+    if not combos:
+        raise ValueError("plan(): nothing to search: stages, param_dtypes, offloads, "
+                         "checkpointing and shard_group_sizes each need at least one value")
+    base = ZeroConfig() if base is None else base
+    disk_dir = offload_dir or tempfile.gettempdir()
+    entries = []
+    for stage, dtype, (offload, fraction), ckpt, k in combos:
+        kwargs = _kwargs(stage, dtype, offload, fraction, None if k == world_size else k,
+                         disk_dir)
+        entries.append(_search(
+            memory, batch, kwargs, ckpt,
+            lambda kw, m, a, c: predict_peak(
+                model_fn, batch_fn, dataclasses.replace(base, **kw), world_size,
+                micro_batch=m, accumulation=a, activation_checkpointing=c,
+                optimizer=optimizer, max_grad_norm=max_grad_norm, device=device,
+            ),
+        ))
+    fits = sorted((e for e in entries if e.fits), key=PlanEntry.cost)
+    rejected = sorted((e for e in entries if not e.fits), key=lambda e: e.peak_bytes)
+    return fits + rejected
+
+
+def _kwargs(stage: int, dtype: torch.dtype, offload: str | None, fraction: float,
+            group: int | None, disk_dir: str) -> dict[str, Any]:
+    """One combination's `ZeroConfig` keyword arguments, defaults left out (the line
+    `PlanEntry.zero_config_line` prints stays short)."""
+    kwargs: dict[str, Any] = {"stage": stage, "param_dtype": dtype}
+    if offload is not None:
+        kwargs["offload"] = offload
+    if offload == "disk":
+        kwargs["offload_dir"] = disk_dir
+    if fraction != 1.0:
+        kwargs["offload_fraction"] = fraction
+    if group is not None:
+        kwargs["shard_group_size"] = group
+    return kwargs
+
+
+def _group_sizes(world_size: int, sizes: Sequence[int] | None) -> list[int]:
+    """The shard group sizes to search: ``sizes``, checked, or every divisor of
+    ``world_size`` above 1 (``world_size`` itself first: plain sharding)."""
+    if sizes is None:
+        return [world_size, *(k for k in range(2, world_size) if world_size % k == 0)]
+    bad = [k for k in sizes if isinstance(k, bool) or not isinstance(k, int) or k < 1
+           or world_size % k]
+    if bad:
+        raise ValueError(f"plan(): shard group sizes {bad} do not divide world_size "
+                         f"{world_size}; give divisors of it (k = {world_size}: no hybrid)")
+    return list(dict.fromkeys(sizes))
+
+
+def _tiers(offloads: Sequence[str | None], fractions: Sequence[float]) -> list[tuple]:
+    """(tier, fraction) pairs: no offload once, each tier at each fraction."""
+    bad = [f for f in fractions if isinstance(f, bool) or not isinstance(f, (int, float))
+           or not 0 < f <= 1]
+    if bad or (not fractions and any(o is not None for o in offloads)):
+        raise ValueError(f"plan(): offload_fractions must be numbers in (0, 1], got "
+                         f"{list(fractions)!r}")
+    pairs: list[tuple] = []
+    for o in dict.fromkeys(offloads):
+        tier_fractions = [1.0] if o is None else dict.fromkeys(map(float, fractions))
+        pairs += [(o, f) for f in tier_fractions]
+    return pairs
+
+
+def _search(
+    memory: int, batch: int, kwargs: dict[str, Any], ckpt: bool,
+    predict: Callable[[dict[str, Any], int, int, bool], PeakPrediction],
+) -> PlanEntry:
+    """The largest micro-batch of one combination that fits, or the rejection. The whole
+    batch is tried first, then a micro-batch of 1 (if that is over, nothing smaller is
+    left: one prediction rejects), then the halves in between."""
+    sizes = _micro_batches(batch)
+    order = [*sizes[:1], *sizes[1:][-1:], *sizes[1:-1]]
+    smallest: PeakPrediction | None = None
+    fitting: PeakPrediction | None = None
+    for micro in order:
+        try:
+            prediction = predict(kwargs, micro, batch // micro, ckpt)
+        except ValueError as exc:  # a combination zerolite refuses (e.g. offload here)
+            return PlanEntry(kwargs, micro, batch // micro, ckpt, 0, False, 0,
+                             f"zerolite refuses it: {exc}")
+        fits = prediction.peak <= memory
+        if micro == sizes[-1]:
+            smallest = prediction
+            if not fits:
+                break
+        if fits and (fitting is None or micro > fitting.micro_batch):
+            fitting = prediction
+            if micro != sizes[-1]:
+                break  # halves are tried largest first: this is the largest that fits
+    if fitting is not None:
+        return _entry(kwargs, fitting, True, None)
+    assert smallest is not None
+    over = smallest.peak - memory
+    return _entry(kwargs, smallest, False, (
+        f"needs {human_bytes(smallest.peak)} at micro-batch {smallest.micro_batch}, "
+        f"{human_bytes(over)} over the budget ({human_bytes(memory)}); most of it "
+        f"{_largest(smallest)}"
+    ))
+
+
+def _largest(prediction: PeakPrediction) -> str:
+    name, n = max(prediction.breakdown.items(), key=lambda kv: kv[1])
+    return f"{name} ({human_bytes(n)}) in {prediction.phase}"
+
+
+def _entry(kwargs: dict[str, Any], p: PeakPrediction, fits: bool, reason: str | None) -> PlanEntry:
+    return PlanEntry(dict(kwargs), p.micro_batch, p.accumulation, p.activation_checkpointing,
+                     p.peak, fits, p.communication_bytes, reason, p.offloaded)
