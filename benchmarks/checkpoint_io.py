@@ -7,8 +7,11 @@ the optimizer state exists. Methods:
 
 - ``zerolite sync``: ``zerolite.checkpoint.save`` (stage 2: each rank its fp32 master and
   AdamW shard, rank 0 also the buffers), then ``load`` into a freshly sharded model;
-- ``zerolite async``: ``save(..., blocking=False)``; blocking = the call, total = until
-  ``wait()`` returns on every rank;
+- ``zerolite async``: ``save(..., blocking=False)``, with
+  ``zerolite.checkpoint.prepare_async_save`` called after ``shard()`` (as a run that saves
+  asynchronously does); blocking = the call, total = until ``wait()`` returns on every rank;
+- ``zerolite async unprepared``: the same without ``prepare_async_save`` (its first save
+  allocates the staging area);
 - ``DCP sync`` / ``DCP async``: the model sharded with FSDP2 ``fully_shard`` (per block,
   then the root) on a CPU device mesh; ``get_state_dict`` then ``dcp.save`` /
   ``dcp.async_save`` (its background collectives on a separate gloo group, as DCP's docs
@@ -18,9 +21,12 @@ the optimizer state exists. Methods:
   ``torch.load(weights_only=True)`` + ``load_state_dict``.
 
 Times are rank 0's between barriers, except blocking, the slowest rank's call. GB/s is
-checkpoint bytes over total (save) or load seconds. Each sharded method saves once
-untimed first (zerolite's staging area is then allocated and reused, as in training; DCP
-gets the same warm-up), then the timed save. Files go to a temporary directory
+checkpoint bytes over total (save) or load seconds. zerolite's methods time the run's
+first save apart (``1st block s``: its blocking time), then ``--rounds`` saves (default 5)
+whose median is the steady state; the summary lines divide each asynchronous method's
+blocking time, first and steady, by the synchronous save's steady time, per repeat (each
+repeat a fresh model, optimizer and staging area). DCP saves once as a warm-up (its
+``1st block s``), then the timed save. Files go to a temporary directory
 (``--dir``) and are removed after each method; loads read what was just written, so
 mostly from the page cache, for every method alike.
 

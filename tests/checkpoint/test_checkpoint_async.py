@@ -344,8 +344,10 @@ def _accelerate_async(root: str) -> dict:
     accelerator = ZeroAccelerator(zero_config=zerolite.ZeroConfig(stage=2))
     model = make_model(NO_DROPOUT)
     model, opt = accelerator.prepare(model, parity.make_optimizer("AdamW", model))
+    ckpt.prepare_async_save(model, opt)  # what prepare() returned: the wrapped optimizer
     data = parity.batches(3, cfg=NO_DROPOUT)
     train(model, opt, data[:1])
+    prepared = staging_area(opt.optimizer).nbytes
     at_call = pieces(opt.optimizer)
     folder = accelerator.save_state(str(Path(root) / "acc"), async_save=True)
     pending = accelerator.pending_save
@@ -357,6 +359,7 @@ def _accelerate_async(root: str) -> dict:
         "latest": ckpt.latest(Path(folder)).name,
         "diff": differences(pieces(opt.optimizer), at_call),
         "moved": bool(differences(moved, at_call)),
+        "prepared": (prepared, staging_area(opt.optimizer).nbytes),
     }
 
 
@@ -418,6 +421,8 @@ def _trainer_async(root: str) -> dict:
 def test_accelerate_save_state_async(tmp_path):
     for rank, out in enumerate(run_ranks(_accelerate_async, 2, str(tmp_path), timeout=120)):
         assert out["pending"] and out["latest"] == "zerolite_0" and out["moved"], (rank, out)
+        prepared, used = out["prepared"]
+        assert prepared == used > 0, (rank, out["prepared"])
         assert not out["diff"], f"rank {rank}: load_state did not restore the call's state"
 
 

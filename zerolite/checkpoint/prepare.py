@@ -46,12 +46,14 @@ def prepare_async_save(model: nn.Module, optimizer: ShardedOptimizer) -> None:
 
     Args:
         model: the sharded model (or a wrapper of it), as passed to ``save``.
-        optimizer: its `ShardedOptimizer`.
+        optimizer: its `ShardedOptimizer` (or what ``accelerator.prepare`` returned for it).
     Raises:
         TypeError: ``optimizer`` is not a `ShardedOptimizer`.
         ValueError: ``model`` is not the model ``optimizer`` was sharded with.
     """
     caller = "zerolite.checkpoint.prepare_async_save()"
+    if not isinstance(optimizer, ShardedOptimizer):  # Accelerate's wrapper around it
+        optimizer = getattr(optimizer, "optimizer", optimizer)
     optimizer = require_sharded_optimizer(optimizer, caller)
     require_model_of(model, optimizer, caller)
     if optimizer.group.step > 0 and not optimizer.step_was_skipped:
