@@ -66,6 +66,7 @@ from zerolite.testing import run_ranks  # noqa: E402
 BIG = GPTConfig(vocab_size=16384, seq_len=128, n_layer=12, n_head=12, d_model=768)
 DEVICE = torch.device("cpu")  # this rank's; set by `_run`
 ROUNDS = 5  # zerolite's saves after the first (the steady state); set by `_run`
+WARM_STEPS = 3  # zerolite's steps before its first save (the staging area is made after one)
 
 
 def _model(cfg: GPTConfig) -> GPT:
@@ -112,7 +113,8 @@ def _zerolite(cfg: GPTConfig, path: Path, blocking: bool, prepared: bool = True)
     model, opt = sharded()
     if prepared and not blocking:  # as a run that saves asynchronously calls it, once
         ckpt.prepare_async_save(model, opt)
-    _step(cfg, model, opt)
+    for _ in range(WARM_STEPS):  # a run's first save comes some steps after its first step
+        _step(cfg, model, opt)
     called: list[float] = []
 
     def save(target: Path) -> None:
