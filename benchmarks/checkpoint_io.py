@@ -7,8 +7,11 @@ the optimizer state exists. Methods:
 
 - ``zerolite sync``: ``zerolite.checkpoint.save`` (stage 2: each rank its fp32 master and
   AdamW shard, rank 0 also the buffers), then ``load`` into a freshly sharded model;
-- ``zerolite async``: ``save(..., blocking=False)``; blocking = the call, total = until
-  ``wait()`` returns on every rank;
+- ``zerolite async``: ``save(..., blocking=False)``, with
+  ``zerolite.checkpoint.prepare_async_save`` called after ``shard()`` (as a run that saves
+  asynchronously does); blocking = the call, total = until ``wait()`` returns on every rank;
+- ``zerolite async unprepared``: the same without ``prepare_async_save`` (its first save
+  allocates the staging area);
 - ``DCP sync`` / ``DCP async``: the model sharded with FSDP2 ``fully_shard`` (per block,
   then the root) on a CPU device mesh; ``get_state_dict`` then ``dcp.save`` /
   ``dcp.async_save`` (its background collectives on a separate gloo group, as DCP's docs
@@ -18,9 +21,12 @@ the optimizer state exists. Methods:
   ``torch.load(weights_only=True)`` + ``load_state_dict``.
 
 Times are rank 0's between barriers, except blocking, the slowest rank's call. GB/s is
-checkpoint bytes over total (save) or load seconds. Each sharded method saves once
-untimed first (zerolite's staging area is then allocated and reused, as in training; DCP
-gets the same warm-up), then the timed save. Files go to a temporary directory
+checkpoint bytes over total (save) or load seconds. zerolite's methods time the run's
+first save apart (``1st block s``: its blocking time), then ``--rounds`` saves (default 5)
+whose median is the steady state; the summary lines divide each asynchronous method's
+blocking time, first and steady, by the synchronous save's steady time, per repeat (each
+repeat a fresh model, optimizer and staging area). DCP saves once as a warm-up (its
+``1st block s``), then the timed save. Files go to a temporary directory
 (``--dir``) and are removed after each method; loads read what was just written, so
 mostly from the page cache, for every method alike.
 
@@ -37,6 +43,7 @@ from __future__ import annotations
 import argparse
 import gc
 import os
+import re
 import shutil
 import statistics
 import sys
@@ -58,6 +65,8 @@ from zerolite.testing import run_ranks  # noqa: E402
 
 BIG = GPTConfig(vocab_size=16384, seq_len=128, n_layer=12, n_head=12, d_model=768)
 DEVICE = torch.device("cpu")  # this rank's; set by `_run`
+ROUNDS = 5  # zerolite's saves after the first (the steady state); set by `_run`
+WARM_STEPS = 3  # zerolite's steps before its first save (the staging area is made after one)
 
 
 def _model(cfg: GPTConfig) -> GPT:
@@ -96,13 +105,16 @@ def _bytes(path: Path) -> int:
     return box[0]
 
 
-def _zerolite(cfg: GPTConfig, path: Path, blocking: bool) -> dict:
+def _zerolite(cfg: GPTConfig, path: Path, blocking: bool, prepared: bool = True) -> dict:
     def sharded() -> tuple[torch.nn.Module, zerolite.ShardedOptimizer]:
         model = _model(cfg)
         return model, zerolite.shard(model, _optimizer(model), zerolite.ZeroConfig(stage=2))
 
     model, opt = sharded()
-    _step(cfg, model, opt)
+    if prepared and not blocking:  # as a run that saves asynchronously calls it, once
+        ckpt.prepare_async_save(model, opt)
+    for _ in range(WARM_STEPS):  # a run's first save comes some steps after its first step
+        _step(cfg, model, opt)
     called: list[float] = []
 
     def save(target: Path) -> None:
@@ -112,13 +124,19 @@ def _zerolite(cfg: GPTConfig, path: Path, blocking: bool) -> dict:
         if not blocking:
             pending.wait()
 
-    _timed(lambda: save(path.with_name(path.name + "-warm")))  # staging area allocated
-    total, _ = _timed(lambda: save(path))
+    # The run's first save (staging area made then, unless prepared), then the steady state.
+    first_total, _ = _timed(lambda: save(path.with_name(path.name + "-first")))
+    totals = [_timed(lambda r=r: save(path.with_name(f"{path.name}-{r}")))[0]
+              for r in range(ROUNDS)]
+    total = statistics.median(totals)
+    path = path.with_name(f"{path.name}-{ROUNDS - 1}")
     model = opt = None
     gc.collect()
     fresh, fresh_opt = sharded()
     load, _ = _timed(lambda: ckpt.load(path, fresh, fresh_opt))
-    return {"blocking": _slowest(called[1]), "total": total, "load": load, "bytes": _bytes(path)}
+    steady = statistics.median(_slowest(c) for c in called[1:])
+    return {"first blocking": _slowest(called[0]), "first total": first_total,
+            "blocking": steady, "total": total, "load": load, "bytes": _bytes(path)}
 
 
 def _fsdp2(cfg: GPTConfig) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -170,8 +188,8 @@ def _dcp(cfg: GPTConfig, path: Path, asynchronous: bool) -> dict:
     load_s, _ = _timed(load)
     if side_group is not None:
         dist.destroy_process_group(side_group)
-    return {"blocking": _slowest(called[1]), "total": total, "load": load_s,
-            "bytes": _bytes(path)}
+    return {"first blocking": _slowest(called[0]), "blocking": _slowest(called[1]),
+            "total": total, "load": load_s, "bytes": _bytes(path)}
 
 
 def _torch_save(cfg: GPTConfig, path: Path) -> dict:
@@ -203,28 +221,32 @@ def _torch_save(cfg: GPTConfig, path: Path) -> dict:
         fresh_opt.load_state_dict(state["optim"])
 
     load_s, _ = _timed(load)
-    return {"blocking": total, "total": total, "load": load_s, "bytes": _bytes(path)}
+    return {"first blocking": total, "blocking": total, "total": total, "load": load_s,
+            "bytes": _bytes(path)}
 
 
 METHODS: dict[str, Callable[[GPTConfig, Path], dict]] = {
     "zerolite sync": lambda cfg, p: _zerolite(cfg, p, blocking=True),
     "zerolite async": lambda cfg, p: _zerolite(cfg, p, blocking=False),
+    "zerolite async unprepared": lambda cfg, p: _zerolite(cfg, p, False, prepared=False),
     "DCP sync (FSDP2)": lambda cfg, p: _dcp(cfg, p, asynchronous=False),
     "DCP async (FSDP2)": lambda cfg, p: _dcp(cfg, p, asynchronous=True),
     "torch.save (DDP)": _torch_save,
 }
 
 
-def _run(root: str, repeats: int, small: bool, device: str) -> dict:
-    global DEVICE
+def _run(root: str, repeats: int, small: bool, device: str, rounds: int,
+         methods: list[str]) -> dict:
+    global DEVICE, ROUNDS
+    ROUNDS = rounds
     if device == "cuda":
         DEVICE = torch.device("cuda", dist.get_rank())  # run_ranks made it current
     cfg = GPTConfig() if small else BIG
-    results: dict[str, list[dict]] = {name: [] for name in METHODS}
+    results: dict[str, list[dict]] = {name: [] for name in methods}
     for i in range(repeats):
-        for name, method in METHODS.items():
-            path = Path(root) / f"{name.split()[0]}-{name.split()[1]}-{i}"
-            results[name].append(method(cfg, path))
+        for name in methods:
+            path = Path(root) / f"{re.sub(r'[^a-zA-Z0-9]+', '-', name)}-{i}"
+            results[name].append(METHODS[name](cfg, path))
             dist.barrier()
             if dist.get_rank() == 0:
                 for done in Path(root).iterdir():
@@ -234,27 +256,58 @@ def _run(root: str, repeats: int, small: bool, device: str) -> dict:
     return {"params": params, "results": results}
 
 
+def _report(results: dict[str, list[dict]]) -> None:
+    """Each zerolite asynchronous method's blocking time over the synchronous save's, the
+    run's first save apart from the steady state; per repeat, then the median."""
+    sync = results.get("zerolite sync")
+    if sync is None:
+        return
+    for name in ("zerolite async", "zerolite async unprepared"):
+        if name not in results:
+            continue
+        runs = list(zip(results[name], sync))
+        first = [a["first blocking"] / s["total"] for a, s in runs]
+        steady = [a["blocking"] / s["total"] for a, s in runs]
+        print(f"{name}: blocking / synchronous save, first save "
+              f"{statistics.median(first):.3f} (per repeat "
+              f"{', '.join(f'{r:.3f}' for r in first)}), steady state "
+              f"{statistics.median(steady):.3f} (per repeat "
+              f"{', '.join(f'{r:.3f}' for r in steady)})")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--rounds", type=int, default=5,
+                        help="zerolite's saves after the first, per repeat (default 5)")
+    parser.add_argument("--methods", default=",".join(METHODS),
+                        help="comma-separated method names (default all), e.g. "
+                             "'zerolite sync,zerolite async'")
     parser.add_argument("--dir", default=None, help="where to write (default: a temporary dir)")
     parser.add_argument("--small", action="store_true", help="the 11M default GPT (quick check)")
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     parser.add_argument("--world-size", type=int, default=2)
     args = parser.parse_args()
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown or not methods or args.rounds < 1:
+        parser.error(f"--methods takes names from {list(METHODS)}; --rounds >= 1")
     backend = "nccl" if args.device == "cuda" else "gloo"
     with tempfile.TemporaryDirectory(dir=args.dir) as root:
         out = run_ranks(_run, args.world_size, root, args.repeats, args.small, args.device,
-                        timeout=1800, backend=backend)[0]
+                        args.rounds, methods, timeout=3600, backend=backend)[0]
     print(f"GPT {out['params']:,} parameters, AdamW, {args.world_size} ranks ({backend}, "
-          f"{args.device}, 1 thread each); median of {args.repeats}")
-    print(f"{'method':20s} {'GB':>6s} {'blocking s':>11s} {'total s':>8s} {'save GB/s':>10s} "
-          f"{'load s':>7s} {'load GB/s':>10s}")
+          f"{args.device}, 1 thread each); median of {args.repeats} repeat(s), zerolite's "
+          f"steady state the median of {args.rounds} saves after the first")
+    print(f"{'method':27s} {'GB':>6s} {'1st block s':>11s} {'blocking s':>11s} "
+          f"{'total s':>8s} {'save GB/s':>10s} {'load s':>7s} {'load GB/s':>10s}")
     for name, runs in out["results"].items():
         med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
         gb = med["bytes"] / 1e9
-        print(f"{name:20s} {gb:6.2f} {med['blocking']:11.3f} {med['total']:8.3f} "
-              f"{gb / med['total']:10.2f} {med['load']:7.3f} {gb / med['load']:10.2f}")
+        print(f"{name:27s} {gb:6.2f} {med['first blocking']:11.3f} {med['blocking']:11.3f} "
+              f"{med['total']:8.3f} {gb / med['total']:10.2f} {med['load']:7.3f} "
+              f"{gb / med['load']:10.2f}")
+    _report(out["results"])
 
 
 if __name__ == "__main__":

@@ -55,6 +55,7 @@ from accelerate.utils import DynamoBackend
 from torch import nn
 
 from zerolite.checkpoint.pending_save import PendingSave
+from zerolite.checkpoint.prepare import prepare_async_save
 from zerolite.checkpoint.run_folders import RunFolders
 from zerolite.config import ZeroConfig
 from zerolite.ground import runtime
@@ -135,6 +136,9 @@ class _ZeroMethods(StateFolderMethods):
     zero_config: ZeroConfig
     _zero_sharded: list[tuple[nn.Module, ShardedOptimizer]]
     pending_save: PendingSave | None  # the last save_state(async_save=True)'s
+    # Whether every sharded optimizer's staging area is made ahead of the first
+    # asynchronous save (`zerolite.checkpoint.prepare_async_save`): ZeroTrainer(async_save=True).
+    _zero_async_saves: bool = False
 
     def _sharded_optimizer(
         self: Any, parameters: Iterable[torch.Tensor] | None = None
@@ -291,6 +295,8 @@ class ZeroAccelerator(_ZeroMethods, Accelerator):
             sharded = shard(model, optimizer, _materialise_on(self, model, self.zero_config))
         install_save_pretrained(model, self.save_dtype)
         self._zero_sharded.append((model, sharded))
+        if self._zero_async_saves:
+            prepare_async_save(model, sharded)
         wrapped = _SkipAwareOptimizer(sharded, device_placement=False, scaler=None)
         self._optimizers.append(wrapped)
         return wrapped

@@ -23,7 +23,6 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from zerolite.ground.config_env import (
-    ALLOWED_DTYPES,
     COLLECTIVES,
     OFFLOAD_TIERS,
     PARTITIONS,
@@ -40,6 +39,7 @@ from zerolite.ground.config_env import (
     parse_optional_dtype,
     parse_path,
 )
+from zerolite.ground.dtype_names import accepted_names, as_dtype
 
 __all__ = ["ZeroConfig"]
 
@@ -78,14 +78,15 @@ class ZeroConfig:
     parameter the optimizer trains shares (a model loaded in bf16 trains bf16 parameters
     with fp32 master shards; an fp32 model trains in fp32), and refuses trained parameters
     of mixed dtypes or float64, naming them (`zerolite.plan.precision.resolve_param_dtype`).
-    After `shard()`, ``sharded.config.param_dtype`` is the dtype chosen. The variable reads
-    ``bf16``, ``fp16``, ``fp32``..., or ``none``."""
+    After `shard()`, ``sharded.config.param_dtype`` is the dtype chosen. Names are accepted
+    and stored as the dtype (``"bf16"``, ``"bfloat16"``, ``"fp32"``, ``"half"``...:
+    `zerolite.ground.dtype_names`), by the variable too, or ``none``."""
 
     reduce_dtype: torch.dtype | None = setting(
         None, "ZEROLITE_REDUCE_DTYPE", parse_optional_dtype
     )
     """dtype in which gradients are reduced and their shards kept; ``None`` means
-    ``param_dtype``."""
+    ``param_dtype``. Names are accepted as for ``param_dtype``."""
 
     bucket_size_mb: float = setting(25.0, "ZEROLITE_BUCKET_SIZE_MB", parse_float)
     """Size of a flat buffer (and so of one reduce-scatter / all-gather) in MiB of
@@ -150,8 +151,10 @@ class ZeroConfig:
     streams it through in chunks (see `zerolite.optim.streamed_step`)."""
 
     offload_dir: str | None = setting(None, "ZEROLITE_OFFLOAD_DIR", parse_path)
-    """``"disk"``: an existing, writable directory for the files (removed when the model is
-    garbage-collected or the process exits)."""
+    """``"disk"``: a writable directory for the files (removed when the model is
+    garbage-collected or the process exits). A missing one is created by `shard()` when its
+    parent is an existing, writable directory (not here: a config is a value, built also
+    where nothing trains, e.g. by ``zerolite plan``)."""
 
     offload_fraction: float = setting(1.0, "ZEROLITE_OFFLOAD_FRACTION", parse_float)
     """The fraction, in (0, 1], of this rank's shard elements whose state is offloaded,
@@ -363,17 +366,17 @@ def _names(v: Any) -> bool:
     return isinstance(v, (tuple, list)) and all(isinstance(n, str) and n for n in v)
 
 
-_DTYPES = "torch.float32, torch.bfloat16, torch.float16"
+_DTYPES = f"torch.float32, torch.bfloat16, torch.float16, or a name: {accepted_names()}"
 _LOW, _HIGH = QUANT_BLOCK_RANGE
 
 # One row per field, in declaration order (a row may also normalise the value it accepts).
 _RULES: tuple[_Rule, ...] = (
     _Rule("stage", lambda v: _int(v) and v in (0, 1, 2, 3),
           "0 (DDP, estimator only), 1 (optimizer state), 2 (+ gradients) and 3 (+ parameters)"),
-    _Rule("param_dtype", lambda v: v is None or v in ALLOWED_DTYPES,
-          f"None (the model's own dtype), {_DTYPES}"),
-    _Rule("reduce_dtype", lambda v: v is None or v in ALLOWED_DTYPES,
-          f"None (= param_dtype), {_DTYPES}"),
+    _Rule("param_dtype", lambda v: v is None or as_dtype(v) is not None,
+          f"None (the model's own dtype), {_DTYPES}", as_dtype),
+    _Rule("reduce_dtype", lambda v: v is None or as_dtype(v) is not None,
+          f"None (= param_dtype), {_DTYPES}", as_dtype),
     _Rule("bucket_size_mb", lambda v: _number(v) and v > 0,
           "a finite number of MiB > 0 (floats allowed, e.g. 0.5)", float),
     _Rule("process_group", lambda v: v is None or isinstance(v, (dist.ProcessGroup, DeviceMesh)),

@@ -227,7 +227,10 @@ class ZeroTrainerMixin:
         async_save: write ``checkpoint-N/zerolite/`` in the background
             (``zerolite.checkpoint.save(..., blocking=False)``): training resumes once each
             rank's shard is copied into its staging area; the next checkpoint (or the end of
-            the process) waits for it. Trainer's other files are written as usual.
+            the process) waits for it. Trainer's other files are written as usual. The
+            staging area is made after the first step, in the background
+            (`zerolite.checkpoint.prepare_async_save`), so the first checkpoint blocks no
+            longer than later ones; it is held from then on.
         save_dtype: dtype of the weights ``save_model`` writes (and so each
             ``checkpoint-N/``'s), from the fp32 masters: None (default) each parameter in
             the dtype it was loaded in, as the stock Trainer (fp32 for an fp32 model under
@@ -287,6 +290,8 @@ class ZeroTrainerMixin:
         _follow_trainer_log_level(self.args)
         super().create_accelerator_and_postprocess()  # type: ignore[misc]
         self.accelerator = _adopt(self.accelerator, self.zero_config, self.save_dtype)
+        # The first asynchronous checkpoint then blocks as little as later ones.
+        self.accelerator._zero_async_saves = self._async_save
 
     def _refuse_model_layout(self) -> None:
         if getattr(self, "is_model_parallel", False):

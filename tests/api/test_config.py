@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from zerolite import ZeroConfig
+from zerolite.ground.config_env import env_text
 
 
 def test_defaults(monkeypatch):
@@ -221,3 +222,61 @@ def test_environment_fills_only_fields_not_passed(monkeypatch):
                                          "param_dtype=torch.float16"):
         ZeroConfig()
     assert ZeroConfig(param_dtype=torch.bfloat16).quantize_gather
+
+
+# The names a user writes for each dtype (Accelerate's, transformers', torch's), written out
+# here rather than read from zerolite's table, so a name that stops being read fails.
+DTYPE_NAMES = {
+    torch.float32: ("fp32", "float32", "float", "FP32", "torch.float32"),
+    torch.bfloat16: ("bf16", "bfloat16", " BF16 ", "torch.bfloat16"),
+    torch.float16: ("fp16", "float16", "half", "Float16"),
+}
+
+
+@pytest.mark.parametrize("dtype", list(DTYPE_NAMES), ids=str)
+def test_dtype_names_are_accepted_wherever_a_dtype_is(monkeypatch, dtype):
+    """A name is stored as the torch.dtype, as an argument of either dtype field and as
+    either variable (the one table): the config equals the one given the dtype itself."""
+    _clear_env(monkeypatch)
+    for name in DTYPE_NAMES[dtype]:
+        cfg = ZeroConfig(param_dtype=name, reduce_dtype=name)
+        assert cfg.param_dtype is dtype and cfg.reduce_dtype is dtype, name
+        assert cfg == ZeroConfig(param_dtype=dtype, reduce_dtype=dtype)
+        assert dataclasses.replace(ZeroConfig(), param_dtype=name).param_dtype is dtype
+        monkeypatch.setenv("ZEROLITE_PARAM_DTYPE", name)
+        monkeypatch.setenv("ZEROLITE_REDUCE_DTYPE", name)
+        assert (ZeroConfig().param_dtype, ZeroConfig().reduce_dtype) == (dtype, dtype), name
+    assert ZeroConfig(param_dtype=None).with_param_dtype(dtype).param_dtype is dtype
+
+
+@pytest.mark.parametrize("bad", ["float64", "double", "int8", "bf 16", "", "torch", 16])
+def test_a_bad_dtype_name_lists_the_accepted_names(monkeypatch, bad):
+    _clear_env(monkeypatch)
+    for field in ("param_dtype", "reduce_dtype"):
+        with pytest.raises(ValueError, match=rf"ZeroConfig\.{field}: got {re.escape(repr(bad))}"
+                                             r"; allowed: ") as exc:
+            ZeroConfig(**{field: bad})
+        listed = str(exc.value).split("; allowed: ")[1]
+        assert all(n in listed for n in ("torch.bfloat16", "'bf16'", "'float32'", "'half'"))
+    if isinstance(bad, str) and bad.strip():
+        monkeypatch.setenv("ZEROLITE_PARAM_DTYPE", bad)
+        with pytest.raises(ValueError, match=rf"ZeroConfig\.param_dtype: environment value "
+                                             rf"{re.escape(repr(bad))} is not a dtype; use one "
+                                             r"of .*'bf16'"):
+            ZeroConfig()
+
+
+@pytest.mark.parametrize("var", list(ENV_CASES))
+def test_env_text_reads_back_as_the_value(monkeypatch, var):
+    """`env_text` (what ``zerolite plan`` prints for ``accelerate launch``) of each field's
+    value is a text its variable's parser reads back to the same value; None included."""
+    field, _, parsed, explicit, _ = ENV_CASES[var]
+    values = [parsed, explicit] + ([None] if var in ENV_NONE else [])
+    for value in values:
+        _clear_env(monkeypatch)
+        if field == "offload_dir":
+            monkeypatch.setenv("ZEROLITE_OFFLOAD", "none")
+        monkeypatch.setenv(var, env_text(value))
+        assert getattr(ZeroConfig(), field) == value, (var, value, env_text(value))
+    with pytest.raises(ValueError, match="no ZEROLITE_"):
+        env_text(object())

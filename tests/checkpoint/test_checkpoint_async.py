@@ -14,7 +14,8 @@
 6. at normal interpreter exit a save in flight is completed;
 7. ``ZeroAccelerator.save_state(..., async_save=True)`` and ``ZeroTrainer(async_save=True)``
    save the state at the call (the Trainer's step-2 checkpoint, held open while step 3
-   trains, against the state at step 2's end, after 2 more steps).
+   trains, against the state at step 2's end, after 2 more steps); the Trainer's staging
+   area is made after its first step, at the size its saves then use.
 """
 
 from __future__ import annotations
@@ -343,8 +344,10 @@ def _accelerate_async(root: str) -> dict:
     accelerator = ZeroAccelerator(zero_config=zerolite.ZeroConfig(stage=2))
     model = make_model(NO_DROPOUT)
     model, opt = accelerator.prepare(model, parity.make_optimizer("AdamW", model))
+    ckpt.prepare_async_save(model, opt)  # what prepare() returned: the wrapped optimizer
     data = parity.batches(3, cfg=NO_DROPOUT)
     train(model, opt, data[:1])
+    prepared = staging_area(opt.optimizer).nbytes
     at_call = pieces(opt.optimizer)
     folder = accelerator.save_state(str(Path(root) / "acc"), async_save=True)
     pending = accelerator.pending_save
@@ -356,6 +359,7 @@ def _accelerate_async(root: str) -> dict:
         "latest": ckpt.latest(Path(folder)).name,
         "diff": differences(pieces(opt.optimizer), at_call),
         "moved": bool(differences(moved, at_call)),
+        "prepared": (prepared, staging_area(opt.optimizer).nbytes),
     }
 
 
@@ -375,6 +379,8 @@ def _trainer_async(root: str) -> dict:
 
     class AtStepEnd(TrainerCallback):  # runs before Trainer's save of the same step
         def on_step_end(self, args, state, control, **kwargs) -> None:
+            if state.global_step == 1:  # made after the first step, before any save
+                seen["prepared"] = staging_area(trainer._sharded_optimizer()).nbytes
             if state.global_step == 2:
                 seen["at_save"] = snapshot(trainer.model, trainer._sharded_optimizer())
             if state.global_step == 3:
@@ -394,6 +400,7 @@ def _trainer_async(root: str) -> dict:
     finally:
         del os.environ[HOLD_ENV]
     opt = trainer._sharded_optimizer()
+    result["prepared"], result["area"] = seen["prepared"], staging_area(opt).nbytes
     live = snapshot(trainer.model, opt)
     at_save = {k: v for k, v in seen["at_save"].items() if k != "rng"}
     result["moved"] = bool(differences({k: live[k] for k in at_save}, at_save))
@@ -414,12 +421,15 @@ def _trainer_async(root: str) -> dict:
 def test_accelerate_save_state_async(tmp_path):
     for rank, out in enumerate(run_ranks(_accelerate_async, 2, str(tmp_path), timeout=120)):
         assert out["pending"] and out["latest"] == "zerolite_0" and out["moved"], (rank, out)
+        prepared, used = out["prepared"]
+        assert prepared == used > 0, (rank, out["prepared"])
         assert not out["diff"], f"rank {rank}: load_state did not restore the call's state"
 
 
 def test_trainer_async_save(tmp_path):
     for rank, out in enumerate(run_ranks(_trainer_async, 2, str(tmp_path), timeout=240)):
         assert out["in_flight"] and out["held"] and out["moved"], (rank, out)
+        assert out["prepared"] == out["area"] > 0, (rank, out["prepared"], out["area"])
         assert not out["diff"], f"rank {rank}: checkpoint-2 is not the state at its save: " + str(
             out["diff"][:8])
         assert out["verified"] == [{"global_step": 2}, {"global_step": 4}]

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
 import zerolite
 from tests.memory.test_predict_peak import TOLERANCE
@@ -28,10 +27,10 @@ def _plan(capsys, memory: str, *extra: str) -> tuple[int, str]:
 
 
 def _train(entry: dict) -> int:
-    config = dict(entry["config"], param_dtype=getattr(torch, entry["config"]["param_dtype"]))
     model_fn, batch_fn = MODELS["gpt"]
     tracker = measure_peak(
-        model_fn, batch_fn, zerolite.ZeroConfig(**config), micro_batch=entry["micro_batch"],
+        model_fn, batch_fn, zerolite.ZeroConfig(**entry["config"]),
+        micro_batch=entry["micro_batch"],
         accumulation=entry["accumulation"],
         activation_checkpointing=entry["activation_checkpointing"],
     )
@@ -42,9 +41,14 @@ def test_plan_picks_the_cheapest_that_fits_and_it_trains_under_the_budget(capsys
     # Room for anything: nothing to trade, so stage 1, no recomputation, one micro-step.
     code, out = _plan(capsys, "1GiB")
     assert code == 0
-    assert out.splitlines()[-2].startswith("use (micro-batch 4 x 1 accumulation, activation "
-                                           "checkpointing off)")
-    assert out.splitlines()[-1] == "zerolite.ZeroConfig(stage=1, param_dtype=torch.float32)"
+    lines = out.splitlines()
+    use = next(i for i, line in enumerate(lines) if line.startswith("use ("))
+    assert lines[use].startswith("use (micro-batch 4 x 1 accumulation, activation "
+                                 "checkpointing off)")
+    assert lines[use + 1] == "zerolite.ZeroConfig(stage=1, param_dtype=torch.float32)"
+    # Then the same for accelerate launch (tests/memory/test_plan_round_trip.py).
+    assert lines[use + 2:] == ["or, for accelerate launch, in its environment:",
+                               "ZEROLITE_STAGE=1", "ZEROLITE_PARAM_DTYPE=float32"]
     model_fn, batch_fn = MODELS["gpt"]
     roomy = predict_peak(model_fn, batch_fn, zerolite.ZeroConfig(stage=1), 2, micro_batch=4)
 

@@ -155,7 +155,7 @@ def _bad_inputs(where: str) -> dict[str, str]:
     """Every rank gets the same bad input, so each raises its own error (not a peer's)."""
     errors = {}
     cases = {
-        "missing dir": dict(offload="disk", offload_dir=os.path.join(where, "nope")),
+        "missing dir": dict(offload="disk", offload_dir=os.path.join(where, "nope", "deeper")),
         "a file": dict(offload="disk", offload_dir=__file__),
         "unwritable": dict(offload="disk", offload_dir="/sys"),
     }

@@ -17,10 +17,20 @@ buffer is pinned host memory of exactly its size (`zerolite.state.pinned`), so t
 asynchronously at full bus speed; `stage` returns once the copies from every device they
 came from have landed (each device's current stream, where they were queued).
 `staging_bytes` is what `zerolite.memory.track` reports.
+
+[Note: first save] A fresh buffer costs more than the copy into it: the kernel maps and
+zeroes each page at its first touch, and that made the first asynchronous save of a run
+block for about ten times as long as the next ones. `StagingArea.prepare` moves that work
+off the save: it allocates the buffer at its final size and touches every page (and pins
+it, on CUDA) on a background thread, and the save that comes next finds it ready (or waits
+only for what is left of it). `zerolite.checkpoint.prepare_async_save` calls it once the
+layout is known (after the first step, when the optimizer state exists). A prepared buffer
+is held, and counted by `staging_bytes`, from that call on, as if a save had been made.
 """
 
 from __future__ import annotations
 
+import threading
 import weakref
 from collections.abc import Mapping
 
@@ -34,7 +44,7 @@ __all__ = ["StagingArea", "staging_area", "staging_bytes"]
 
 
 class StagingArea:
-    """A host byte buffer holding one rank's file data, reused while the layout stays.
+    """A host byte buffer holding one rank's file data, reused while its size stays.
 
     Attributes:
         buffer: uint8, 1-D, the file's data section (pinned when staged from CUDA).
@@ -45,11 +55,51 @@ class StagingArea:
         self.buffer: torch.Tensor | None = None
         self.ranges: list[ByteRange] = []
         self._pinned = False  # whether ``buffer`` was allocated for device copies
+        # A buffer being allocated and touched by `prepare`: its thread, size and result.
+        self._preparing: tuple[threading.Thread, int, list[torch.Tensor]] | None = None
         _AREAS.add(self)
 
     @property
     def nbytes(self) -> int:
+        """The bytes held, a buffer being prepared included."""
+        if self._preparing is not None:
+            return self._preparing[1]
         return 0 if self.buffer is None else self.buffer.numel()
+
+    def prepare(self, nbytes: int, *, pinned: bool) -> None:
+        """Allocate a buffer of ``nbytes`` (pinned for device copies if ``pinned``) and
+        touch every page of it on a background thread ([Note: first save]); returns at
+        once. Nothing is done if the buffer held already fits. A failure there (no memory)
+        is not raised: the next `copy_in` allocates as it would have."""
+        self._finish_preparing()
+        if self._fits(nbytes, pinned):
+            return
+        self.buffer = None  # free the old buffer before allocating the new one
+        self._pinned = pinned
+        made: list[torch.Tensor] = []
+
+        def allocate_and_touch() -> None:
+            buffer = host_buffer(nbytes, pinned=pinned)
+            buffer.fill_(0)  # the first touch of every page, here rather than at the save
+            made.append(buffer)
+
+        thread = threading.Thread(target=allocate_and_touch, name="zerolite-staging",
+                                  daemon=True)
+        self._preparing = (thread, nbytes, made)
+        thread.start()
+
+    def _finish_preparing(self) -> None:
+        """Wait for `prepare`'s thread, if any, and hold what it made."""
+        if self._preparing is None:
+            return
+        thread, _, made = self._preparing
+        thread.join()
+        self._preparing = None
+        self.buffer = made[0] if made else None
+
+    def _fits(self, nbytes: int, pinned: bool) -> bool:
+        return (self.buffer is not None and self.buffer.numel() == nbytes
+                and self._pinned == pinned)
 
     @property
     def data(self) -> memoryview:
@@ -68,11 +118,12 @@ class StagingArea:
         }
         on_device = bool(devices)
         size = ranges[-1].end if ranges else 0
-        if ranges != self.ranges or self.buffer is None or self._pinned != on_device:
+        self._finish_preparing()
+        if not self._fits(size, on_device):  # a buffer of the same size serves any layout
             self.buffer = None  # free the old buffer before allocating the new one
             self.buffer = host_buffer(size, pinned=on_device)
             self._pinned = on_device
-            self.ranges = ranges
+        self.ranges = ranges
         for extent in ranges:
             view = self.buffer[extent.start : extent.end].view(extent.dtype).view(extent.shape)
             source = tensors[extent.key]

@@ -3,14 +3,23 @@
 Each field of `zerolite.config.ZeroConfig` names its variable and one parser of this module
 where it is declared. A parser takes the field's name and the variable's text and raises a
 `ValueError` naming both when it cannot read the text; what it reads is then validated like
-an argument.
+an argument. `env_text` is the way back: a value as the text its parser reads (what
+``zerolite plan`` prints for ``accelerate launch``).
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
+
+from zerolite.ground.dtype_names import (
+    ALLOWED_DTYPES,
+    accepted_names,
+    dtype_from_name,
+    dtype_text,
+)
 
 __all__ = [
     "ALLOWED_DTYPES",
@@ -19,6 +28,7 @@ __all__ = [
     "PARTITIONS",
     "QUANT_BLOCK_RANGE",
     "UNSET",
+    "env_text",
     "parse_bool",
     "parse_choice",
     "parse_device",
@@ -32,22 +42,11 @@ __all__ = [
     "parse_path",
 ]
 
-ALLOWED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # quant_block bounds: a block's fp32 scale costs 4/quant_block bytes per element.
 QUANT_BLOCK_RANGE = (16, 1 << 20)
 COLLECTIVES = ("auto", "native", "point_to_point")
 PARTITIONS = ("flat", "tensor", "auto")
 OFFLOAD_TIERS = (None, "disk", "host")
-
-_DTYPES: dict[str, torch.dtype] = {
-    "fp32": torch.float32,
-    "float32": torch.float32,
-    "bf16": torch.bfloat16,
-    "bfloat16": torch.bfloat16,
-    "fp16": torch.float16,
-    "float16": torch.float16,
-}
-
 
 class _Unset:
     """Marks a field the caller did not pass, so the environment may fill it."""
@@ -84,15 +83,15 @@ def _number(field: str, raw: str, kind: type) -> Any:
 
 
 def parse_dtype(field: str, raw: str) -> torch.dtype:
-    """``fp32``/``float32``, ``bf16``/``bfloat16``, ``fp16``/``float16`` (case and a
-    ``torch.`` prefix forgiven)."""
-    key = raw.strip().lower().removeprefix("torch.")
-    if key not in _DTYPES:
+    """A name of `zerolite.ground.dtype_names` (``bf16``, ``bfloat16``, ``fp32``, ``half``...;
+    case and a ``torch.`` prefix forgiven)."""
+    dtype = dtype_from_name(raw)
+    if dtype is None:
         raise ValueError(
             f"ZeroConfig.{field}: environment value {raw!r} is not a dtype; "
-            f"use one of {sorted(_DTYPES)}"
+            f"use one of {accepted_names()}"
         )
-    return _DTYPES[key]
+    return dtype
 
 
 def parse_optional_dtype(field: str, raw: str) -> torch.dtype | None:
@@ -154,3 +153,27 @@ def parse_group_size(field: str, raw: str) -> int | str | None:
         raise ValueError(
             f"ZeroConfig.{field}: environment value {raw!r} is not 'none', 'node' or an int"
         ) from None
+
+
+def env_text(value: Any) -> str:
+    """``value``, a `ZeroConfig` field's, as the text its variable's parser reads back to
+    it: None as the empty text (every optional field's parser reads it as None; ``none``
+    would be a directory's name to ``offload_dir``), a bool as ``1``/``0``, a dtype by name
+    (``bfloat16``), names comma-separated, a path as written, anything else as ``str()``
+    (ints, floats, choices, devices).
+
+    Raises:
+        ValueError: ``value`` has no text form (an object such as a process group, a
+            callable, or classes: those fields have no variable).
+    """
+    if value is None:
+        return ""
+    if isinstance(value, bool):
+        return "1" if value else "0"
+    if isinstance(value, torch.dtype):
+        return dtype_text(value)
+    if isinstance(value, tuple) and all(isinstance(v, str) for v in value):
+        return ",".join(value)
+    if isinstance(value, (str, int, float, torch.device, os.PathLike)):
+        return os.fspath(value) if isinstance(value, os.PathLike) else str(value)
+    raise ValueError(f"no ZEROLITE_* variable text for {value!r}")

@@ -8,21 +8,25 @@ Bad values raise `argparse.ArgumentTypeError` (while parsing) or `ValueError`;
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import re
+import shlex
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from zerolite.config import ZeroConfig
 from zerolite.ground import runtime
+from zerolite.ground.config_env import env_text
+from zerolite.ground.dtype_names import DTYPE_NAMES
 from zerolite.memory.budget import PlanEntry, plan
 from zerolite.memory.commands import load_function
 from zerolite.memory.peak_report import human_bytes
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40}
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _OFFLOADS = {"none": None, "host": "host", "disk": "disk"}
 _SWITCH = {"off": False, "on": True}
 
@@ -93,7 +97,7 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the device the budget is of (default cpu)")
     parser.add_argument("--stages", type=_choices({"1": 1, "2": 2, "3": 3}), default=[1, 2, 3],
                         help="stages to consider (default 1,2,3)")
-    parser.add_argument("--param-dtypes", type=_choices(_DTYPES),
+    parser.add_argument("--param-dtypes", type=_choices(DTYPE_NAMES),
                         default=[torch.float32, torch.bfloat16],
                         help="parameter dtypes to consider: fp32,bf16,fp16 (default fp32,bf16)")
     parser.add_argument("--offload", type=_choices(_OFFLOADS), default=[None, "host", "disk"],
@@ -155,4 +159,18 @@ def run_plan(args: argparse.Namespace) -> int:
     print(f"use (micro-batch {best.micro_batch} x {best.accumulation} accumulation, "
           f"activation checkpointing {'on' if best.activation_checkpointing else 'off'}):")
     print(best.zero_config_line())
+    print("or, for accelerate launch, in its environment:")
+    for line in env_lines(best.config):
+        print(line)
     return 0
+
+
+def env_lines(config: dict[str, Any]) -> list[str]:
+    """``NAME=value`` for each `ZeroConfig` keyword argument in ``config``: the variables
+    `ZeroConfig` reads when its argument is not given (``ZEROLITE_STAGE=2``), each value
+    the text that variable's parser reads back (`env_text`), quoted for a POSIX shell."""
+    env = {f.name: f.metadata["env"] for f in dataclasses.fields(ZeroConfig) if "env" in f.metadata}
+    missing = sorted(set(config) - set(env))
+    if missing:
+        raise ValueError(f"no ZEROLITE_* variable for ZeroConfig field(s) {missing}")
+    return [f"{env[name]}={shlex.quote(env_text(value))}" for name, value in config.items()]

@@ -15,6 +15,7 @@ streams the arena through the user's optimizer is `zerolite.optim.streamed_step`
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import shutil
@@ -37,36 +38,76 @@ __all__ = ["OffloadTier", "build_tier", "check_offload"]
 
 def check_offload(plan: OffloadPlan, config: ZeroConfig, device: torch.device) -> None:
     """Raise ValueError if the tier cannot hold ``plan`` (run by `shard()` before it
-    changes anything): a missing or unwritable directory, too little free space for the
+    changes anything): an ``offload_dir`` that neither exists nor can be created (its
+    parent missing or unwritable), one that is not writable, too little free space for the
     exact byte count, or ``"host"`` for a CUDA model on a system that cannot pin memory
-    (its staging buffers need it)."""
+    (its staging buffers need it). A missing ``offload_dir`` whose parent is a writable
+    directory is created here (and removed again if a later check fails)."""
     if plan.tier == "disk":
         where = config.offload_dir
-        if where is None or not os.path.isdir(where):
-            raise ValueError(
-                f"ZeroConfig.offload_dir: {where!r} is not an existing directory; create it "
-                "or pass another offload_dir"
-            )
-        try:  # a real file: permission bits, read-only mounts and root all answer truly
-            with tempfile.TemporaryFile(dir=where):
-                pass
-        except OSError as exc:
-            raise ValueError(
-                f"ZeroConfig.offload_dir: {where!r} is not writable by this process ({exc}); "
-                "pass a directory you can write to"
-            ) from None
-        free = shutil.disk_usage(where).free
-        if free < plan.nbytes:
-            raise ValueError(
-                f"ZeroConfig.offload_dir: {where!r} has {free} bytes free; offloading this "
-                f"rank's optimizer state needs {plan.nbytes} bytes. Free space, pick another "
-                "directory or lower offload_fraction"
-            )
+        created = _make_offload_dir(where)
+        try:
+            _check_disk(where, plan.nbytes)
+        except ValueError:
+            if created:  # only if still empty: another rank may be using it
+                with contextlib.suppress(OSError):
+                    os.rmdir(where)
+            raise
     elif runtime.is_accelerator(device) and not pinning_available():
         raise ValueError(
             "ZeroConfig.offload: 'host' needs pinned host memory for a CUDA model (the "
             "streamed step's staging buffers), and this system cannot pin memory; use "
             "offload='disk' or offload=None"
+        )
+
+
+def _make_offload_dir(where: str | None) -> bool:
+    """Create ``where`` if it is missing and its parent is an existing directory, as
+    DeepSpeed creates its swap folder (one level only: a mistyped path far from any
+    existing directory is refused, not built). Whether this call created it; several
+    ranks may race to, and the losers find it made."""
+    if where is None or os.path.lexists(where):
+        return False
+    parent = os.path.dirname(os.path.abspath(where))
+    if not os.path.isdir(parent):
+        raise ValueError(
+            f"ZeroConfig.offload_dir: {where!r} is not an existing directory, and its parent "
+            f"{parent!r} is not one either, so it is not created; create it or pass another "
+            "offload_dir"
+        )
+    try:
+        os.mkdir(where)
+    except FileExistsError:
+        return False  # another rank made it first
+    except OSError as exc:
+        raise ValueError(
+            f"ZeroConfig.offload_dir: {where!r} does not exist and cannot be created in "
+            f"{parent!r} ({exc}); create it or pass a directory you can write to"
+        ) from None
+    return True
+
+
+def _check_disk(where: str | None, nbytes: int) -> None:
+    """The disk tier's directory exists, is writable and has ``nbytes`` free."""
+    if where is None or not os.path.isdir(where):
+        raise ValueError(
+            f"ZeroConfig.offload_dir: {where!r} is not an existing directory; create it "
+            "or pass another offload_dir"
+        )
+    try:  # a real file: permission bits, read-only mounts and root all answer truly
+        with tempfile.TemporaryFile(dir=where):
+            pass
+    except OSError as exc:
+        raise ValueError(
+            f"ZeroConfig.offload_dir: {where!r} is not writable by this process ({exc}); "
+            "pass a directory you can write to"
+        ) from None
+    free = shutil.disk_usage(where).free
+    if free < nbytes:
+        raise ValueError(
+            f"ZeroConfig.offload_dir: {where!r} has {free} bytes free; offloading this "
+            f"rank's optimizer state needs {nbytes} bytes. Free space, pick another "
+            "directory or lower offload_fraction"
         )
 
 
