@@ -6,6 +6,11 @@
 #   make docs-serve    - preview the docs site (docs/, mkdocs.yml) at http://127.0.0.1:8000
 #   make test-matrix   - every accepted combination of features (slow; tests/support/combination_matrix.py)
 #   make test-kernels  - the numerics tests under other CPUs' kernel families (README, Tests)
+#   make test-compat   - the whole suite under each pinned version set in .ci/compat/ (oldest.txt:
+#                        the floors pyproject.toml names; gpu-image.txt: the GPU image's versions),
+#                        each in a fresh venv .venv-compat-<set> (git-ignored) built from the pins
+#                        file with zerolite installed --no-deps; COMPAT=oldest picks one set.
+#                        Not part of make test (it downloads several GB of CUDA torch wheels).
 #   make gpu-check     - everything one GPU can check (tests/gpu/gpu_check.py: the cuda-marked tests,
 #                        world size 1 on NCCL and 2 on gloo over CUDA tensors, the step-time and
 #                        checkpoint benchmarks on the GPU) as one pass/fail table, written with the
@@ -49,7 +54,7 @@ KERNELS_avx512_bf16 := ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16 MKL_ENABLE_INSTRUCTIO
   ATEN_CPU_CAPABILITY=avx512
 KERNEL_FAMILIES ?= native avx2 avx512
 
-.PHONY: test test-matrix test-kernels example env gpu-check docs docs-serve
+.PHONY: test test-matrix test-kernels test-compat example env gpu-check docs docs-serve
 
 env: $(STAMP)
 
@@ -85,6 +90,28 @@ test-kernels: $(STAMP)
 example: $(STAMP)
 	ACCELERATE_USE_CPU=1 $(VENV)/bin/accelerate launch --config_file examples/accelerate/cpu_2proc.yaml \
 	  --num_processes $(NPROC) examples/train_gpt.py --stage $(STAGE)
+
+# The version sets that test-compat runs: one per pins file in .ci/compat/ (COMPAT=oldest: one).
+COMPAT ?= $(sort $(basename $(notdir $(wildcard .ci/compat/*.txt))))
+
+# A venv per set, built afresh whenever its pins file or pyproject.toml changes. The pins file
+# alone decides the versions: zerolite goes in editable and --no-deps, so pip resolves nothing for it.
+.venv-compat-%/.zerolite-installed: .ci/compat/%.txt pyproject.toml
+	rm -rf .venv-compat-$*
+	$(PYTHON) -m venv .venv-compat-$*
+	.venv-compat-$*/bin/python -m pip install -q -r $<
+	.venv-compat-$*/bin/python -m pip install -q --no-deps -e .
+	.venv-compat-$*/bin/python -m pip check
+	touch $@
+
+# One set after the other (never in parallel: each takes both cores), HF_HUB_OFFLINE=1 as in
+# make test (tests/conftest.py); every set runs, and the target fails if any set failed.
+test-compat: $(foreach set,$(COMPAT),.venv-compat-$(set)/.zerolite-installed)
+	@failed=; for set in $(COMPAT); do \
+	  echo "== compat set $$set: $$(grep -v '^#' .ci/compat/$$set.txt | tr '\n' ' ')"; \
+	  HF_HUB_OFFLINE=1 .venv-compat-$$set/bin/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile \
+	    || failed="$$failed $$set"; \
+	done; test -z "$$failed" || { echo "test-compat failed under:$$failed"; exit 1; }
 
 # No $(STAMP): the GPU machine has no package index, so nothing may be installed there.
 gpu-check:

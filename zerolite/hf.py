@@ -350,7 +350,10 @@ class ZeroTrainerMixin:
         """
         output_dir = output_dir if output_dir is not None else self.args.output_dir
         state_dict = weights_for_saving(self.model, self.save_dtype, keep=self.args.should_save)
-        self._save(output_dir, state_dict=state_dict)  # type: ignore[attr-defined]  # rank 0 writes
+        # Only the writer calls _save: transformers 5.17's writes on every rank that calls it
+        # (5.25's returns on the others), so another rank's {} could replace rank 0's file.
+        if self.args.should_save:
+            self._save(output_dir, state_dict=state_dict)  # type: ignore[attr-defined]
         if self.args.push_to_hub and not _internal_call:
             push: Any = self.push_to_hub  # type: ignore[attr-defined]
             push(commit_message="Model save", revision=self.args.hub_revision)

@@ -188,6 +188,7 @@ def test_a_bf16_model_keeps_bf16_parameters_and_saves_bf16_as_the_stock_trainer(
 
 def test_save_model_then_from_pretrained_gives_the_gathered_parameters(runs: dict) -> None:
     saved = runs["save_model"]
+    assert saved["writers"] == [True, False]  # rank 0 alone reaches Trainer._save
     assert {"model.safetensors", "config.json"} <= set(saved["files"])
     assert saved["missing"] == []
     assert saved["max_diff"] == 0.0

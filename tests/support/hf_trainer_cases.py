@@ -344,7 +344,13 @@ def _bf16_run(out: Path, config: Any, dtype: torch.dtype = torch.float32) -> dic
 def _save_model(out: Path) -> dict[str, Any]:
     trainer = _trainer(out / "run", 3, max_steps=2)
     trainer.train()
+    # Which ranks reach Trainer._save, the method that writes (in older transformers on
+    # every rank that calls it: another rank's empty state_dict could replace rank 0's file).
+    stock_save, reached = trainer._save, []
+    trainer._save = lambda *args, **kwargs: (reached.append(True), stock_save(*args, **kwargs))
     trainer.save_model(str(out / "model"))
+    writers: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(writers, bool(reached))
     gathered = _gathered(trainer)
     if dist.get_rank() != 0:
         return {}
@@ -353,6 +359,7 @@ def _save_model(out: Path) -> dict[str, Any]:
     loaded = AutoModelForCausalLM.from_pretrained(out / "model")
     reloaded = loaded.state_dict()
     return {
+        "writers": writers,
         "files": sorted(p.name for p in (out / "model").iterdir()),
         "missing": sorted(set(gathered) - set(reloaded)),
         "max_diff": max((reloaded[k] - v).abs().max().item() for k, v in gathered.items()),

@@ -10,8 +10,8 @@ Each call goes to ``torch.accelerator`` where this torch has the function and th
 is of the machine's accelerator type (torch 2.6 brought devices and streams, later
 releases the allocator statistics), else to the device type's own module
 (``torch.get_device_module(device)``: ``torch.cuda`` on an NVIDIA GPU, ``torch.cpu`` for the
-CPU). zerolite supports torch >= 2.4, before ``torch.accelerator`` existed, so every
-``torch.accelerator`` name is looked up, never assumed.
+CPU). ``torch.accelerator`` gains names from release to release (zerolite supports torch
+>= 2.9.1), so every ``torch.accelerator`` name is looked up, never assumed.
 
 Page-locking host memory in place has no device-generic API: it is CUDA's
 ``cudaHostRegister`` (`register_host`), and on any other device a buffer stays pageable
