@@ -11,12 +11,17 @@ no micro-batch that fits is rejected, saying by how much its smallest step is ov
 whole search would make:
 
 - one whose model states alone are over the budget ([Note: plan bounds]) is rejected
-  by that arithmetic;
+  by that arithmetic, and one whose lasting model states plus the activations another
+  prediction of the same dtype, micro-batch and checkpointing held are over it
+  ([Note: activation floor] in `zerolite.memory.budget_search`) too;
 - the rest are predicted in groups of equal leading cost keys (offload tier, bytes
   offloaded, activation checkpointing: [Note: plan cost]); once a group holds one that
   fits, every later group costs more, so it is listed as skipped, not predicted;
-- within a combination the micro-batches are bisected (the peak grows with the
-  micro-batch): the whole batch, then 1, then halves in between.
+- within a combination micro-batch 1 is tried first (most combinations searched are
+  rejected by it), then the whole batch, then the halves in between by bisection (the
+  peak grows with the micro-batch);
+- each prediction simulates few micro-steps ([Note: micro-steps simulated] in
+  `zerolite.memory.predict`).
 
 ``exhaustive=True`` predicts every combination at every micro-batch, as a check.
 
@@ -134,35 +139,12 @@ def plan(
     else:
         bounds = state_bounds(model_fn, [_config(base, kw) for kw, _ in candidates],
                               world_size, optimizer, device)
-        entries = pruned(memory, batch, candidates, bounds,
-                         _TierShare(direct, device).predict)
+        entries = pruned(memory, batch, candidates, bounds, direct)
     fits = sorted((e for e in entries if e.fits), key=PlanEntry.cost)
-    skipped = [e for e in entries if e.reason and e.reason.startswith(SKIPPED)]
-    rejected = sorted((e for e in entries if not e.fits and e not in skipped),
-                      key=lambda e: e.peak_bytes)
+    skipped = [e for e in entries if (e.reason or "").startswith(SKIPPED)]
+    rejected = sorted((e for e in entries if not e.fits and not (e.reason or "").startswith(
+        SKIPPED)), key=lambda e: e.peak_bytes)
     return fits + rejected + skipped
-
-
-class _TierShare:
-    """[Note: one trace for both tiers] The simulation runs a disk tier as a host arena
-    (`zerolite.memory.predict`); the two differ only in whether that arena is the
-    device's memory, which it is for neither tier on a GPU. There one prediction answers
-    both. (On a CPU the host arena is counted, and the step's own allocations are named
-    against it, so each tier is predicted.)"""
-
-    def __init__(self, predict: Callable[[dict[str, Any], int, int, bool], PeakPrediction],
-                 device: str) -> None:
-        self._predict, self._device = predict, device
-        self._seen: dict[tuple, PeakPrediction] = {}
-
-    def predict(self, kw: dict[str, Any], m: int, a: int, c: bool) -> PeakPrediction:
-        if kw.get("offload") is None or self._device == "cpu":
-            return self._predict(kw, m, a, c)
-        shared = {k: v for k, v in kw.items() if k not in ("offload", "offload_dir")}
-        key = (tuple(sorted((k, str(v)) for k, v in shared.items())), m, a, c)
-        if key not in self._seen:
-            self._seen[key] = self._predict(kw, m, a, c)
-        return self._seen[key]
 
 
 def _candidates(
