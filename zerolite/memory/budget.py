@@ -7,6 +7,24 @@ sharding), `predict_peak` is asked for the largest micro-batch (``batch``, then 
 it) whose step fits ``memory``; the rest of ``batch`` is gradient accumulation. A combination with
 no micro-batch that fits is rejected, saying by how much its smallest step is over.
 
+[Note: pruned search] Most combinations need no trace, and the pick is the one the
+whole search would make:
+
+- one whose model states alone are over the budget ([Note: plan bounds]) is rejected
+  by that arithmetic, and one whose lasting model states plus the activations another
+  prediction of the same dtype, micro-batch and checkpointing held are over it
+  ([Note: activation floor] in `zerolite.memory.budget_search`) too;
+- the rest are predicted in groups of equal leading cost keys (offload tier, bytes
+  offloaded, activation checkpointing: [Note: plan cost]); once a group holds one that
+  fits, every later group costs more, so it is listed as skipped, not predicted;
+- within a combination micro-batch 1 is tried first (most combinations searched are
+  rejected by it), then the whole batch, then the halves in between by bisection (the
+  peak grows with the micro-batch);
+- each prediction simulates few micro-steps ([Note: micro-steps simulated] in
+  `zerolite.memory.predict`).
+
+``exhaustive=True`` predicts every combination at every micro-batch, as a check.
+
 [Note: plan cost] Configurations that fit are ordered by what their step costs beyond
 the same arithmetic, most expensive kinds first:
 
@@ -38,74 +56,14 @@ import torch
 from torch import nn
 
 from zerolite.config import ZeroConfig
+from zerolite.memory.budget_bounds import state_bounds
+from zerolite.memory.budget_entry import PlanEntry
+from zerolite.memory.budget_search import SKIPPED, Candidate, pruned, search
 from zerolite.memory.loop import OptimizerChoice
-from zerolite.memory.peak_report import PeakPrediction, human_bytes
+from zerolite.memory.peak_report import PeakPrediction
 from zerolite.memory.predict import predict_peak
 
 __all__ = ["PlanEntry", "plan"]
-
-_OFFLOAD_ORDER = {None: 0, "host": 1, "disk": 2}
-
-
-@dataclasses.dataclass(frozen=True)
-class PlanEntry:
-    """One configuration `plan` considered.
-
-    Attributes:
-        config: the `ZeroConfig` keyword arguments (``param_dtype`` a ``torch.dtype``).
-        micro_batch: samples per forward; ``accumulation`` forwards make the step.
-        accumulation: micro-steps per optimizer step.
-        activation_checkpointing: whether `checkpoint_blocks` is applied.
-        peak_bytes: the predicted peak on one rank (at the smallest micro-batch when
-            nothing fits).
-        fits: whether ``peak_bytes`` is within the budget.
-        communication_bytes: what the rank sends per optimizer step.
-        reason: why it does not fit (None when it does).
-        offloaded_bytes: bytes on the offload tier, streamed once per step (0: none).
-    """
-
-    config: dict[str, Any]
-    micro_batch: int
-    accumulation: int
-    activation_checkpointing: bool
-    peak_bytes: int
-    fits: bool
-    communication_bytes: int
-    reason: str | None = None
-    offloaded_bytes: int = 0
-
-    def zero_config_line(self) -> str:
-        """The one line of Python that makes this configuration's `ZeroConfig`."""
-        args = ", ".join(
-            f"{k}=torch.{str(v).removeprefix('torch.')}" if isinstance(v, torch.dtype)
-            else f"{k}={v!r}"
-            for k, v in self.config.items()
-        )
-        return f"zerolite.ZeroConfig({args})"
-
-    def to_json(self) -> dict[str, Any]:
-        """A JSON-ready dict (``param_dtype`` as its name, e.g. ``"bfloat16"``)."""
-        config = {
-            k: str(v).removeprefix("torch.") if isinstance(v, torch.dtype) else v
-            for k, v in self.config.items()
-        }
-        return {**dataclasses.asdict(self), "config": config}
-
-    def cost(self) -> tuple:
-        """[Note: plan cost]: smaller is cheaper."""
-        return (_OFFLOAD_ORDER[self.config.get("offload")], self.offloaded_bytes,
-                self.activation_checkpointing, self.communication_bytes, self.accumulation,
-                self.config["stage"])
-
-
-def _micro_batches(batch: int) -> list[int]:
-    """``batch``, then halves of it while they divide it evenly, down to 1."""
-    out = [batch]
-    while out[-1] % 2 == 0:
-        out.append(out[-1] // 2)
-    if out[-1] != 1:
-        out.append(1)
-    return out
 
 
 def plan(
@@ -126,6 +84,7 @@ def plan(
     optimizer: OptimizerChoice = "adamw",
     max_grad_norm: float | None = 1.0,
     device: str = "cpu",
+    exhaustive: bool = False,
 ) -> list[PlanEntry]:
     """Every configuration considered, those that fit first, cheapest first ([Note: plan
     cost]); then the rejected ones, least over the budget first.
@@ -153,13 +112,48 @@ def plan(
         optimizer: as for `predict_peak`.
         max_grad_norm: as for `predict_peak`.
         device: as for `predict_peak`; ``memory`` is of this device.
+        exhaustive: predict every combination at every micro-batch ([Note: pruned
+            search]: the same pick, without the skipped and arithmetic rejections).
     Returns:
-        `PlanEntry`s; ``entries[0]`` is the one to use when ``entries[0].fits``.
+        `PlanEntry`s; ``entries[0]`` is the one to use when ``entries[0].fits``. Then
+        the rejected ones, least over the budget first, then the skipped ones.
     Raises:
         ValueError: ``world_size``, ``memory`` or ``batch`` < 1, an empty search, a fraction outside
             (0, 1], a group size that does not divide ``world_size``, or `predict_peak`'s
             own.
     """
+    candidates = _candidates(world_size, memory, batch, stages, param_dtypes, offloads,
+                             checkpointing, offload_fractions, shard_group_sizes,
+                             offload_dir or tempfile.gettempdir())
+    base = ZeroConfig() if base is None else base
+
+    def direct(kw: dict[str, Any], m: int, a: int, c: bool) -> PeakPrediction:
+        return predict_peak(
+            model_fn, batch_fn, dataclasses.replace(base, **kw), world_size,
+            micro_batch=m, accumulation=a, activation_checkpointing=c,
+            optimizer=optimizer, max_grad_norm=max_grad_norm, device=device,
+        )
+
+    if exhaustive:
+        entries = [search(memory, batch, kw, c, direct) for kw, c in candidates]
+    else:
+        bounds = state_bounds(model_fn, [_config(base, kw) for kw, _ in candidates],
+                              world_size, optimizer, device)
+        entries = pruned(memory, batch, candidates, bounds, direct)
+    fits = sorted((e for e in entries if e.fits), key=PlanEntry.cost)
+    skipped = [e for e in entries if (e.reason or "").startswith(SKIPPED)]
+    rejected = sorted((e for e in entries if not e.fits and not (e.reason or "").startswith(
+        SKIPPED)), key=lambda e: e.peak_bytes)
+    return fits + rejected + skipped
+
+
+def _candidates(
+    world_size: int, memory: int, batch: int, stages: Sequence[int],
+    param_dtypes: Sequence[torch.dtype], offloads: Sequence[str | None],
+    checkpointing: Sequence[bool], offload_fractions: Sequence[float],
+    shard_group_sizes: Sequence[int] | None, disk_dir: str,
+) -> list[Candidate]:
+    """`plan`'s arguments checked, and the combinations they make, in search order."""
     for name, value in (("world_size", world_size), ("memory", memory), ("batch", batch)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"plan(): {name} must be an int >= 1, got {value!r}")
@@ -170,23 +164,20 @@ def plan(
     if not combos:
         raise ValueError("plan(): nothing to search: stages, param_dtypes, offloads, "
                          "checkpointing and shard_group_sizes each need at least one value")
-    base = ZeroConfig() if base is None else base
-    disk_dir = offload_dir or tempfile.gettempdir()
-    entries = []
-    for stage, dtype, (offload, fraction), ckpt, k in combos:
-        kwargs = _kwargs(stage, dtype, offload, fraction, None if k == world_size else k,
-                         disk_dir)
-        entries.append(_search(
-            memory, batch, kwargs, ckpt,
-            lambda kw, m, a, c: predict_peak(
-                model_fn, batch_fn, dataclasses.replace(base, **kw), world_size,
-                micro_batch=m, accumulation=a, activation_checkpointing=c,
-                optimizer=optimizer, max_grad_norm=max_grad_norm, device=device,
-            ),
-        ))
-    fits = sorted((e for e in entries if e.fits), key=PlanEntry.cost)
-    rejected = sorted((e for e in entries if not e.fits), key=lambda e: e.peak_bytes)
-    return fits + rejected
+    return [
+        (_kwargs(stage, dtype, offload, fraction, None if k == world_size else k, disk_dir),
+         ckpt)
+        for stage, dtype, (offload, fraction), ckpt, k in combos
+    ]
+
+
+def _config(base: ZeroConfig, kwargs: dict[str, Any]) -> ZeroConfig | None:
+    """``base`` with ``kwargs``, or None where `ZeroConfig` refuses them (the trace
+    reports it)."""
+    try:
+        return dataclasses.replace(base, **kwargs)
+    except (ValueError, TypeError):
+        return None
 
 
 def _kwargs(stage: int, dtype: torch.dtype, offload: str | None, fraction: float,
@@ -230,50 +221,3 @@ def _tiers(offloads: Sequence[str | None], fractions: Sequence[float]) -> list[t
         tier_fractions = [1.0] if o is None else dict.fromkeys(map(float, fractions))
         pairs += [(o, f) for f in tier_fractions]
     return pairs
-
-
-def _search(
-    memory: int, batch: int, kwargs: dict[str, Any], ckpt: bool,
-    predict: Callable[[dict[str, Any], int, int, bool], PeakPrediction],
-) -> PlanEntry:
-    """The largest micro-batch of one combination that fits, or the rejection. The whole
-    batch is tried first, then a micro-batch of 1 (if that is over, nothing smaller is
-    left: one prediction rejects), then the halves in between."""
-    sizes = _micro_batches(batch)
-    order = [*sizes[:1], *sizes[1:][-1:], *sizes[1:-1]]
-    smallest: PeakPrediction | None = None
-    fitting: PeakPrediction | None = None
-    for micro in order:
-        try:
-            prediction = predict(kwargs, micro, batch // micro, ckpt)
-        except ValueError as exc:  # a combination zerolite refuses (e.g. offload here)
-            return PlanEntry(kwargs, micro, batch // micro, ckpt, 0, False, 0,
-                             f"zerolite refuses it: {exc}")
-        fits = prediction.peak <= memory
-        if micro == sizes[-1]:
-            smallest = prediction
-            if not fits:
-                break
-        if fits and (fitting is None or micro > fitting.micro_batch):
-            fitting = prediction
-            if micro != sizes[-1]:
-                break  # halves are tried largest first: this is the largest that fits
-    if fitting is not None:
-        return _entry(kwargs, fitting, True, None)
-    assert smallest is not None
-    over = smallest.peak - memory
-    return _entry(kwargs, smallest, False, (
-        f"needs {human_bytes(smallest.peak)} at micro-batch {smallest.micro_batch}, "
-        f"{human_bytes(over)} over the budget ({human_bytes(memory)}); most of it "
-        f"{_largest(smallest)}"
-    ))
-
-
-def _largest(prediction: PeakPrediction) -> str:
-    name, n = max(prediction.breakdown.items(), key=lambda kv: kv[1])
-    return f"{name} ({human_bytes(n)}) in {prediction.phase}"
-
-
-def _entry(kwargs: dict[str, Any], p: PeakPrediction, fits: bool, reason: str | None) -> PlanEntry:
-    return PlanEntry(dict(kwargs), p.micro_batch, p.accumulation, p.activation_checkpointing,
-                     p.peak, fits, p.communication_bytes, reason, p.offloaded)

@@ -123,6 +123,10 @@ class StorageLedger:
         self.total = 0
         # Per phase: (largest total, index of the event that reached it).
         self.peaks: dict[str, tuple[int, int]] = {}
+        # Activations alone: their live bytes and the most of them at once (what `plan`
+        # uses as a floor for other configurations: [Note: activation floor]).
+        self.activations = 0
+        self.activations_peak = 0
         # (serial, bytes, category, opened) in order; a serial is one storage at one size.
         self.events: list[tuple[int, int, str, bool]] = []
         self._records: dict[int, _Record] = {}  # serial -> live record
@@ -176,6 +180,9 @@ class StorageLedger:
     def _log(self, serial: int, nbytes: int, category: str, *, opened: bool) -> None:
         self.events.append((serial, nbytes, category, opened))
         self.total += nbytes if opened else -nbytes
+        if category == "activations":
+            self.activations += nbytes if opened else -nbytes
+            self.activations_peak = max(self.activations_peak, self.activations)
         best = self.peaks.get(self.phase)
         if best is None or self.total > best[0]:
             self.peaks[self.phase] = (self.total, len(self.events) - 1)

@@ -44,6 +44,11 @@ class PeakPrediction:
         device: the device type simulated (``"cpu"``: gloo's exchanges; ``"cuda"``: NCCL's,
             storages rounded up to the CUDA allocator's 512 bytes).
         seconds: how long the prediction took.
+        activations_peak: the most bytes of activations (`CATEGORIES`) alive at once
+            during the steps, wherever the peak is. They are the model's own forward
+            tensors: the same for every stage, offload and shard group at the same
+            ``param_dtype``, micro-batch and checkpointing ([Note: activation floor] in
+            `zerolite.memory.budget_search`).
     """
 
     peak: int
@@ -61,6 +66,7 @@ class PeakPrediction:
     activation_checkpointing: bool
     device: str
     seconds: float
+    activations_peak: int = 0
 
     def __int__(self) -> int:
         return self.peak

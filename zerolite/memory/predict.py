@@ -40,6 +40,7 @@ from zerolite.plan.optimizers import NAMED
 __all__ = ["predict_peak"]
 
 STEPS = 2  # optimizer steps simulated: the second is the steady state
+_SIMULATED = 3  # micro-steps of the second step run at most ([Note: micro-steps simulated])
 
 
 def predict_peak(
@@ -55,6 +56,7 @@ def predict_peak(
     max_grad_norm: float | None = 1.0,
     rank: int = 0,
     device: str = "cpu",
+    every_micro_step: bool = False,
 ) -> PeakPrediction:
     """Predict the peak of live tensor bytes on rank ``rank`` of ``world_size`` during a
     training step (see the module docstring for the loop it simulates).
@@ -81,6 +83,9 @@ def predict_peak(
         max_grad_norm: `clip_grad_norm_` before each step; None: no clipping.
         rank: which rank to simulate (pieces, padding and the root unit differ a little).
         device: ``"cpu"`` (gloo's point-to-point exchanges) or ``"cuda"`` (NCCL's).
+        every_micro_step: simulate all ``accumulation`` micro-steps of both optimizer
+            steps; by default the first step runs one and the second at most three, the
+            rest counted ([Note: micro-steps simulated]: the same prediction, faster).
     Returns:
         A `PeakPrediction`: the peak, its phase, a breakdown by category and by phase.
     Raises:
@@ -106,11 +111,8 @@ def predict_peak(
             checkpoint_blocks(model)
         model.train()
         opt = build_sharded(model, optimizer, _simulated(config, device))
-        for _ in range(STEPS):
-            sent = world.sent
-            train_step(model, opt, batch_fn, micro_batch, accumulation, max_grad_norm, device,
-                       on_phase=ledger.enter)
-        sent = world.sent - sent
+        sent = _steps(world, ledger, model, opt, batch_fn, micro_batch, accumulation,
+                      max_grad_norm, device, every_micro_step)
         _name_survivors(ledger, opt)
         tier = opt.shard_state.offload
         offloaded = 0 if tier is None else tier.arena_bytes
@@ -119,6 +121,42 @@ def predict_peak(
     return _prediction(ledger, config, sent, offloaded, world_size, rank, micro_batch,
                        accumulation, activation_checkpointing, device,
                        time.perf_counter() - started)
+
+
+def _steps(
+    world: Any, ledger: StorageLedger, model: nn.Module, opt: ShardedOptimizer,
+    batch_fn: Callable[[int], Any], micro_batch: int, accumulation: int,
+    max_grad_norm: float | None, device: str, every_micro_step: bool,
+) -> int:
+    """[Note: micro-steps simulated] Run the `STEPS` optimizer steps; the bytes sent in
+    the last one.
+
+    Micro-steps after the first and before the last of a step start from the same live
+    storages and run the same code (the loop has no ``no_sync``; nothing counts
+    micro-steps), so they allocate, free and send the same bytes. The first step only
+    creates the optimizer state: one micro-step of it is enough (its peaks are never
+    above the second step's, which holds that state throughout). The second runs
+    `_SIMULATED` micro-steps -- first, one middle, last -- and its sends are those plus
+    the middle one's for each micro-step left out. ``every_micro_step`` runs them all
+    (what `tests/memory/test_plan_search.py` holds this against)."""
+    simulated = accumulation if every_micro_step else min(accumulation, _SIMULATED)
+    marks: list[int] = []
+
+    def on_phase(phase: str) -> None:
+        if phase == "forward":
+            marks.append(world.sent)
+        ledger.enter(phase)
+
+    for step in range(STEPS):
+        micro_steps = simulated if step == STEPS - 1 or every_micro_step else 1
+        marks.clear()
+        sent = world.sent
+        train_step(model, opt, batch_fn, micro_batch, micro_steps, max_grad_norm, device,
+                   on_phase=on_phase)
+    sent = world.sent - sent
+    if simulated < accumulation:
+        sent += (accumulation - simulated) * (marks[2] - marks[1])
+    return sent
 
 
 def _simulated(config: ZeroConfig, device: str) -> ZeroConfig:
@@ -169,7 +207,7 @@ def _prediction(
         phase_breakdowns=breakdowns, communication_bytes=sent, offloaded=offloaded,
         config=config, world_size=world_size, rank=rank, micro_batch=micro_batch,
         accumulation=accumulation, activation_checkpointing=checkpointing, device=device,
-        seconds=seconds,
+        seconds=seconds, activations_peak=ledger.activations_peak,
     )
 
 

@@ -1,0 +1,90 @@
+"""The pruned search of `zerolite.memory.plan` against the exhaustive one, computed in the
+same run: the same pick at budgets on both sides of each pick's peak and where nothing
+fits; every entry it predicted equal to the exhaustive entry; every entry it rejected
+without a prediction over the budget in the exhaustive search too, by at least the bound
+it gave; every entry it skipped no cheaper than the pick. And `predict_peak`'s shortened
+accumulation against simulating every micro-step.
+
+A tiny GPT keeps each prediction near a third of a second; the search covers stages 1
+and 3, no offload and a disk tier, at 2 ranks and a batch of 2 (micro-batches 2 and 1).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import zerolite
+from examples.gpt import GPT, GPTConfig
+from zerolite.memory import plan, predict_peak
+
+SEQ = 8
+
+
+def tiny() -> torch.nn.Module:
+    return GPT(GPTConfig(vocab_size=64, seq_len=SEQ, n_layer=1, n_head=1, d_model=16))
+
+
+def tiny_batch(micro_batch: int) -> dict[str, torch.Tensor]:
+    idx = torch.zeros(micro_batch, SEQ, dtype=torch.long)
+    return {"idx": idx, "targets": idx}
+
+
+SEARCH = dict(stages=(1, 3), param_dtypes=(torch.float32,), offloads=(None, "disk"),
+              offload_fractions=(1.0,), checkpointing=(False,))
+
+
+def _plan(memory: int, tmp_path, exhaustive: bool) -> list:
+    return plan(tiny, tiny_batch, 2, memory, 2, offload_dir=str(tmp_path),
+                exhaustive=exhaustive, **SEARCH)
+
+
+def _key(entry) -> tuple:
+    return (tuple(sorted(entry.config.items(), key=str)), entry.activation_checkpointing)
+
+
+def _check(memory: int, tmp_path) -> list:
+    """Both searches at ``memory``; the exhaustive entries."""
+    full, fast = _plan(memory, tmp_path, True), _plan(memory, tmp_path, False)
+    assert len(full) == len(fast)
+    assert full[0] == fast[0], (memory, full[0], fast[0])
+    by_key = {_key(e): e for e in full}
+    for entry in fast:
+        same = by_key[_key(entry)]
+        reason = entry.reason or ""
+        if reason.startswith("skipped"):
+            assert fast[0].fits and same.cost() >= fast[0].cost(), (entry, same)
+        elif "not predicted" in reason:
+            assert not same.fits and same.peak_bytes >= entry.peak_bytes > memory, (entry, same)
+        else:
+            assert entry == same
+    return full
+
+
+def test_pruned_search_picks_what_the_exhaustive_search_picks(tmp_path):
+    roomy = _check(1 << 30, tmp_path)
+    assert roomy[0].fits and roomy[0].config == {"stage": 1, "param_dtype": torch.float32}
+    assert _check(roomy[0].peak_bytes, tmp_path)[0] == roomy[0]  # at the peak: still fits
+    # Just under each pick's peak, the next pick; until nothing fits (or three changes of pick).
+    picks, memory = [roomy[0]], roomy[0].peak_bytes - 1
+    while picks[-1].fits and len(picks) < 4:
+        picks.append(_check(memory, tmp_path)[0])
+        memory = picks[-1].peak_bytes - 1
+    fitting = [(_key(p), p.micro_batch) for p in picks if p.fits]
+    assert len(set(fitting)) == len(fitting) >= 2, picks
+    if picks[-1].fits:
+        assert not _check(min(e.peak_bytes for e in roomy) // 4, tmp_path)[0].fits
+
+
+@pytest.mark.parametrize("config", [
+    dict(stage=2, param_dtype=torch.bfloat16),
+    dict(stage=3, offload="host"),
+])
+def test_fewer_micro_steps_predict_what_every_micro_step_does(config):
+    kwargs = dict(micro_batch=2, accumulation=5, activation_checkpointing=True)
+    args = (tiny, tiny_batch, zerolite.ZeroConfig(**config), 2)
+    short = dataclasses.replace(predict_peak(*args, **kwargs), seconds=0.0)
+    full = dataclasses.replace(predict_peak(*args, **kwargs, every_micro_step=True), seconds=0.0)
+    assert short == full
