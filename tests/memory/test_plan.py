@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 import zerolite
 from tests.memory.test_predict_peak import TOLERANCE
