@@ -3,7 +3,8 @@ same run: the same pick at budgets on both sides of each pick's peak and where n
 fits; every entry it predicted equal to the exhaustive entry; every entry it rejected
 without a prediction over the budget in the exhaustive search too, by at least the bound
 it gave; every entry it skipped no cheaper than the pick. And `predict_peak`'s shortened
-accumulation against simulating every micro-step.
+accumulation against simulating every micro-step, and offload fractions with one
+offload plan against predicting each.
 
 A tiny GPT keeps each prediction near a third of a second; the search covers stages 1
 and 3, no offload and a disk tier, at 2 ranks and a batch of 2 (micro-batches 2 and 1).
@@ -19,6 +20,8 @@ import torch
 import zerolite
 from examples.gpt import GPT, GPTConfig
 from zerolite.memory import plan, predict_peak
+from zerolite.memory.budget_bounds import shared_fractions, state_bounds
+from zerolite.memory.estimate import estimate_planned
 
 SEQ = 8
 
@@ -88,3 +91,37 @@ def test_fewer_micro_steps_predict_what_every_micro_step_does(config):
     short = dataclasses.replace(predict_peak(*args, **kwargs), seconds=0.0)
     full = dataclasses.replace(predict_peak(*args, **kwargs, every_micro_step=True), seconds=0.0)
     assert short == full
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_fractions_with_one_offload_plan_predict_the_same(stage):
+    """[Note: shared fractions]: fractions whose offload plans are equal predict the same
+    step, field for field (but the config); `shared_fractions` asks once for them."""
+    with torch.device("meta"):
+        model = tiny()
+    fractions = (0.1, 0.25, 0.5, 0.75, 1.0)
+    configs = {f: zerolite.ZeroConfig(stage=stage, offload="host", offload_fraction=f)
+               for f in fractions}
+    plans = {f: estimate_planned(model, world_size=2, config=c)[1] for f, c in configs.items()}
+    pairs = [(a, b) for a in fractions for b in fractions if a < b]
+    same = [(a, b) for a, b in pairs if plans[a] == plans[b]]
+    assert same and len(same) < len(pairs), plans  # both kinds of pair are in the test
+    kwargs = dict(micro_batch=2, accumulation=2)
+    predicted = {f: dataclasses.replace(predict_peak(tiny, tiny_batch, c, 2, **kwargs),
+                                        seconds=0.0, config=None)
+                 for f, c in configs.items()}
+    for a, b in pairs:
+        assert (predicted[a] == predicted[b]) == ((a, b) in same), (a, b)
+
+    asked: list[float] = []
+
+    def predict(kw, micro, accumulation, ckpt):
+        asked.append(kw["offload_fraction"])
+        return predicted[kw["offload_fraction"]]
+
+    kws = [dict(stage=stage, offload="host", offload_fraction=f) for f in fractions]
+    bounds = state_bounds(tiny, [zerolite.ZeroConfig(**kw) for kw in kws], 2, "adamw", "cpu")
+    shared = shared_fractions(predict, kws, bounds)
+    for kw in kws:
+        assert shared(kw, 2, 1, False) == predicted[kw["offload_fraction"]]
+    assert len(asked) == len({plans[f] for f in fractions})

@@ -56,7 +56,7 @@ import torch
 from torch import nn
 
 from zerolite.config import ZeroConfig
-from zerolite.memory.budget_bounds import state_bounds
+from zerolite.memory.budget_bounds import shared_fractions, state_bounds
 from zerolite.memory.budget_entry import PlanEntry
 from zerolite.memory.budget_search import SKIPPED, Candidate, pruned, search
 from zerolite.memory.loop import OptimizerChoice
@@ -139,7 +139,8 @@ def plan(
     else:
         bounds = state_bounds(model_fn, [_config(base, kw) for kw, _ in candidates],
                               world_size, optimizer, device)
-        entries = pruned(memory, batch, candidates, bounds, direct)
+        shared = shared_fractions(direct, [kw for kw, _ in candidates], bounds)
+        entries = pruned(memory, batch, candidates, bounds, shared)
     fits = sorted((e for e in entries if e.fits), key=PlanEntry.cost)
     skipped = [e for e in entries if (e.reason or "").startswith(SKIPPED)]
     rejected = sorted((e for e in entries if not e.fits and not (e.reason or "").startswith(

@@ -8,6 +8,11 @@ peak `predict_peak` finds: a configuration whose model states alone are over the
 needs no trace. `estimate` plans the layout, padding and offload exactly as ``shard()``
 does, so its ``offloaded`` is the tier's arena, the second key of [Note: plan cost]. The
 model is built once, on the meta device; `estimate` then only does arithmetic.
+
+[Note: shared fractions] ``offload_fraction`` is read only where the offload plan is
+made (which pieces go to the tier): two configurations that differ only in it and get
+the same plan run the very same step, so one prediction serves both
+(`shared_fractions`). The plan is `estimate`'s, which is ``shard()``'s on rank 0.
 """
 
 from __future__ import annotations
@@ -20,10 +25,15 @@ import torch
 from torch import nn
 
 from zerolite.config import ZeroConfig
-from zerolite.memory.estimate import estimate
+from zerolite.memory.estimate import estimate_planned
 from zerolite.memory.loop import OptimizerChoice
+from zerolite.memory.peak_report import PeakPrediction
+from zerolite.plan.offload import OffloadPlan
 
-__all__ = ["StateBound", "state_bounds"]
+__all__ = ["StateBound", "shared_fractions", "state_bounds"]
+
+# (ZeroConfig keyword arguments, micro-batch, accumulation, checkpointing) -> prediction
+_Predict = Callable[[dict[str, Any], int, int, bool], PeakPrediction]
 
 _PARTS = ("params", "grads", "master", "optimizer_state", "residual")
 
@@ -38,11 +48,13 @@ class StateBound:
             this.
         offloaded: bytes on the offload tier (0: none), as `PeakPrediction.offloaded`.
         parts: ``resident`` by category, for the rejection's reason.
+        offload_plan: the offload plan of rank 0 (None: no offload).
     """
 
     resident: int
     offloaded: int
     parts: dict[str, int]
+    offload_plan: OffloadPlan | None = None
 
     @property
     def persistent(self) -> int:
@@ -76,10 +88,39 @@ def _bound(
     optimizer: str | torch.optim.Optimizer, device: str,
 ) -> StateBound | None:
     try:
-        counted = estimate(model, world_size=world_size, config=config, optimizer=optimizer)
+        counted, offload = estimate_planned(model, world_size=world_size, config=config,
+                                            optimizer=optimizer)
     except Exception:  # noqa: BLE001 - e.g. a refused configuration: the trace says why
         return None
     parts = {name: getattr(counted, name) for name in _PARTS if getattr(counted, name)}
     if config.offload == "host" and device == "cpu" and counted.offloaded:
         parts["offload"] = counted.offloaded  # the arena is this device's memory
-    return StateBound(sum(parts.values()), counted.offloaded, parts)
+    return StateBound(sum(parts.values()), counted.offloaded, parts, offload)
+
+
+def shared_fractions(predict: _Predict, kwargs: Sequence[dict[str, Any]],
+                     bounds: Sequence[StateBound | None]) -> _Predict:
+    """``predict``, asked once for configurations among ``kwargs`` that differ only in
+    ``offload_fraction`` and whose bounds have the same offload plan ([Note: shared
+    fractions]); the others, and those without a plan, are predicted each time."""
+    plans = {_without_fraction(kw): b.offload_plan for kw, b in zip(kwargs, bounds)
+             if b is not None and b.offload_plan is not None}
+    seen: dict[tuple, PeakPrediction] = {}
+
+    def shared(kw: dict[str, Any], micro: int, accumulation: int,
+               ckpt: bool) -> PeakPrediction:
+        key = _without_fraction(kw)
+        plan = plans.get(key)
+        if plan is None:
+            return predict(kw, micro, accumulation, ckpt)
+        key = (key[1], plan, micro, accumulation, ckpt)
+        if key not in seen:
+            seen[key] = predict(kw, micro, accumulation, ckpt)
+        return seen[key]
+    return shared
+
+
+def _without_fraction(kwargs: dict[str, Any]) -> tuple:
+    """``kwargs`` as a key: all of it, and all of it but ``offload_fraction``."""
+    rest = tuple(sorted((k, v) for k, v in kwargs.items() if k != "offload_fraction"))
+    return (tuple(sorted(kwargs.items())), rest)

@@ -51,7 +51,7 @@ from zerolite.plan.quantization import residual_numel
 from zerolite.plan.shard_plan import ShardPlan, plan_layout
 from zerolite.plan.stages import STAGES
 
-__all__ = ["estimate", "state_bytes"]
+__all__ = ["estimate", "estimate_planned", "state_bytes"]
 
 
 def _optimizer_of_groups(optimizer: torch.optim.Optimizer) -> list[torch.optim.Optimizer]:
@@ -206,7 +206,25 @@ def estimate(
                        shard_group_size=None if shards == world_size else shards)
     if config.stage == 0:
         raise ValueError("stage=0 (DDP) is estimated from a count: estimate(num_params, ...)")
-    model = model_or_count
+    return estimate_planned(model_or_count, world_size=world_size, config=config,
+                            optimizer=optimizer, rank=rank)[0]
+
+
+def estimate_planned(
+    model: nn.Module,
+    *,
+    world_size: int,
+    config: ZeroConfig,
+    optimizer: str | torch.optim.Optimizer = "adamw",
+    rank: int = 0,
+) -> tuple[MemoryBreakdown, OffloadPlan | None]:
+    """`estimate` of a model (``config.stage`` 1-3; arguments checked by `estimate`), and
+    the offload plan it counted: the one ``shard()`` makes on ``rank`` (None: no offload).
+
+    Two configurations that differ only in ``offload_fraction`` and get equal plans shard
+    and step identically (the fraction is read nowhere else): `zerolite.memory.plan`
+    predicts one of them for both."""
+    shards = shard_group_size(config, world_size) or world_size
     if isinstance(optimizer, str):
         opt = build_named(_formula_name(optimizer), list(model.parameters()))
     else:
@@ -237,7 +255,7 @@ def estimate(
     # A world rank's shard is its rank within its shard group (consecutive blocks of k).
     return _breakdown(
         buffers, opt, config, rank % shards, unmanaged, frozen, offload, world_size // shards
-    )
+    ), offload
 
 
 def _offload(
