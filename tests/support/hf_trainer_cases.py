@@ -87,26 +87,29 @@ def make_args(out: str | os.PathLike, **overrides: Any) -> Any:
     return TrainingArguments(**settings)
 
 
-def steps(trainer: Any) -> list[tuple[int, float, float]]:
+def steps(trainer: Any) -> list[tuple[int, float, float | None]]:
     """``(step, loss, grad_norm)`` of every training step in the log history (a resumed run's
-    history begins with the steps ``trainer_state.json`` brought back: see `Logged`)."""
-    return [(e["step"], e["loss"], e["grad_norm"])
-            for e in trainer.state.log_history if "grad_norm" in e]
+    history begins with the steps ``trainer_state.json`` brought back: see `Logged`).
+    ``grad_norm`` is None where the Trainer logged none: before transformers 5.3 it computes
+    the norm only to clip (``max_grad_norm > 0``)."""
+    return [(e["step"], e["loss"], e.get("grad_norm"))
+            for e in trainer.state.log_history if "loss" in e]
 
 
 def logged() -> Any:
     """A callback recording ``(step, loss, grad_norm)`` of each training step this process
-    logs itself (``on_log``), unlike `steps`, which also returns what a resume reloaded."""
+    logs itself (``on_log``), unlike `steps`, which also returns what a resume reloaded
+    (``grad_norm`` None where none was logged, as in `steps`)."""
     from transformers import TrainerCallback
 
     class Logged(TrainerCallback):
         def __init__(self) -> None:
-            self.steps: list[tuple[int, float, float]] = []
+            self.steps: list[tuple[int, float, float | None]] = []
 
         def on_log(self, args: Any, state: Any, control: Any, logs: Any = None,
                    **kwargs: Any) -> None:
-            if logs and "grad_norm" in logs:
-                self.steps.append((state.global_step, logs["loss"], logs["grad_norm"]))
+            if logs and "loss" in logs:
+                self.steps.append((state.global_step, logs["loss"], logs.get("grad_norm")))
 
     return Logged()
 
@@ -460,16 +463,17 @@ def bad_arguments(out: str) -> dict[str, str]:
 
 
 def _cpu_launch_without_use_cpu(out: str) -> str:
-    """torchrun on CPU without ``--use_cpu``: Accelerate sees one process (last: it resets
-    Accelerate's process state, which every Trainer of this launch shares)."""
+    """torchrun on CPU without ``--use_cpu``: Accelerate sees one process from 1.13, all of
+    them before (last: it resets Accelerate's process state, which every Trainer of this
+    launch shares)."""
     from accelerate.state import AcceleratorState
 
     from zerolite.hf import ZeroTrainer
 
     AcceleratorState._reset_state(reset_partial_state=True)
     try:
-        ZeroTrainer(model=make_model(), args=make_args(Path(out) / "cpu", use_cpu=False),
-                    train_dataset=TokenData())
+        trainer = ZeroTrainer(model=make_model(), train_dataset=TokenData(),
+                              args=make_args(Path(out) / "cpu", use_cpu=False))
     except RuntimeError as exc:
         return f"RuntimeError: {exc}"
-    return "no error"
+    return f"no error: Accelerate sees {trainer.accelerator.num_processes} processes"
