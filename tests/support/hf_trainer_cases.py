@@ -87,29 +87,26 @@ def make_args(out: str | os.PathLike, **overrides: Any) -> Any:
     return TrainingArguments(**settings)
 
 
-def steps(trainer: Any) -> list[tuple[int, float, float | None]]:
+def steps(trainer: Any) -> list[tuple[int, float, float]]:
     """``(step, loss, grad_norm)`` of every training step in the log history (a resumed run's
-    history begins with the steps ``trainer_state.json`` brought back: see `Logged`).
-    ``grad_norm`` is None where the Trainer logged none: before transformers 5.3 it computes
-    the norm only to clip (``max_grad_norm > 0``)."""
-    return [(e["step"], e["loss"], e.get("grad_norm"))
-            for e in trainer.state.log_history if "loss" in e]
+    history begins with the steps ``trainer_state.json`` brought back: see `Logged`)."""
+    return [(e["step"], e["loss"], e["grad_norm"])
+            for e in trainer.state.log_history if "grad_norm" in e]
 
 
 def logged() -> Any:
     """A callback recording ``(step, loss, grad_norm)`` of each training step this process
-    logs itself (``on_log``), unlike `steps`, which also returns what a resume reloaded
-    (``grad_norm`` None where none was logged, as in `steps`)."""
+    logs itself (``on_log``), unlike `steps`, which also returns what a resume reloaded."""
     from transformers import TrainerCallback
 
     class Logged(TrainerCallback):
         def __init__(self) -> None:
-            self.steps: list[tuple[int, float, float | None]] = []
+            self.steps: list[tuple[int, float, float]] = []
 
         def on_log(self, args: Any, state: Any, control: Any, logs: Any = None,
                    **kwargs: Any) -> None:
-            if logs and "loss" in logs:
-                self.steps.append((state.global_step, logs["loss"], logs.get("grad_norm")))
+            if logs and "grad_norm" in logs:
+                self.steps.append((state.global_step, logs["loss"], logs["grad_norm"]))
 
     return Logged()
 
