@@ -24,6 +24,7 @@ import zerolite
 from examples.gpt import GPT
 from tests.support import accelerate_cases as cases
 from tests.support import parity
+from tests.support.accelerate_versions import CPU_LAUNCH_NEEDS_USE_CPU
 from zerolite.testing import run_ranks
 
 pytestmark = pytest.mark.numerics  # `make test-kernels` runs it under other CPUs' kernels
@@ -230,13 +231,25 @@ def test_two_launches_as_two_nodes_match_one_launch(runs, tmp_path):
         assert torch.equal(two_nodes[k], one_launch[k]), k
 
 
-def test_launch_that_disagrees_with_accelerate_fails_clearly(tmp_path):
+def test_cpu_launch_without_accelerate_use_cpu_is_refused_or_trains_as_with_it(tmp_path, runs):
+    """A CPU launch without ACCELERATE_USE_CPU: where Accelerate then sees one process per
+    worker (1.13 on), zerolite refuses it with the fix; where it sees them all (before 1.13),
+    there is nothing to refuse and the run is the one with the variable, bit for bit."""
     env = {k: v for k, v in os.environ.items() if k != "ACCELERATE_USE_CPU"}
+    env["OMP_NUM_THREADS"] = "1"  # as in _launch, whose stage2 run is the reference
     cmd = [str(ACCELERATE), "launch", "--config_file", str(CPU_CONFIG),
            str(ROOT / "tests" / "support" / "accelerate_cases.py"), str(tmp_path), "stage2"]
     result = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert result.returncode != 0
-    assert "ACCELERATE_USE_CPU=1" in result.stdout + result.stderr
+    if CPU_LAUNCH_NEEDS_USE_CPU:
+        assert result.returncode != 0
+        assert "ACCELERATE_USE_CPU=1" in result.stdout + result.stderr
+        return
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    launched, _ = _result(tmp_path, "stage2")
+    reference, _ = _result(runs, "stage2")
+    assert launched.keys() == reference.keys()
+    for k in reference:
+        assert torch.equal(launched[k], reference[k]), k
 
 
 def test_example_resumes_only_its_own_run_and_says_which_checkpoint(tmp_path):

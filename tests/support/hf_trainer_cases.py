@@ -460,16 +460,17 @@ def bad_arguments(out: str) -> dict[str, str]:
 
 
 def _cpu_launch_without_use_cpu(out: str) -> str:
-    """torchrun on CPU without ``--use_cpu``: Accelerate sees one process (last: it resets
-    Accelerate's process state, which every Trainer of this launch shares)."""
+    """torchrun on CPU without ``--use_cpu``: Accelerate sees one process from 1.13, all of
+    them before (last: it resets Accelerate's process state, which every Trainer of this
+    launch shares)."""
     from accelerate.state import AcceleratorState
 
     from zerolite.hf import ZeroTrainer
 
     AcceleratorState._reset_state(reset_partial_state=True)
     try:
-        ZeroTrainer(model=make_model(), args=make_args(Path(out) / "cpu", use_cpu=False),
-                    train_dataset=TokenData())
+        trainer = ZeroTrainer(model=make_model(), train_dataset=TokenData(),
+                              args=make_args(Path(out) / "cpu", use_cpu=False))
     except RuntimeError as exc:
         return f"RuntimeError: {exc}"
-    return "no error"
+    return f"no error: Accelerate sees {trainer.accelerator.num_processes} processes"
