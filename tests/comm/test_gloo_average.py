@@ -1,9 +1,10 @@
-"""The native reduce-scatter averages on gloo, whatever torch's gloo does with ``ReduceOp.AVG``.
+"""The native reduce-scatter averages on gloo, under every torch the suite runs on.
 
 `zerolite.comm.collectives.reduce_scatter_avg` with ``collectives="native"`` runs
-``torch.distributed``'s own reduce-scatter. Some torch releases' gloo backend returns the
-*sum* for ``ReduceOp.AVG`` (torch 2.4.1: ``[10, 12]`` where the average is ``[5, 6]``),
-which would make every gradient ``N`` times too large without an error. On a real 2-rank
+``torch.distributed``'s own reduce-scatter with ``ReduceOp.AVG``. torch 2.4.1's gloo backend
+returned the *sum* for it (``[10, 12]`` where the average is ``[5, 6]``), which would make
+every gradient ``N`` times too large without an error; that torch is below the floor, and
+this test is what tells if a supported one (`make test-compat`) does the same. On a real 2-rank
 gloo group, each rank's chunk is checked against the average of both ranks' buffers,
 computed in the parent from the same inputs, and said to be the sum where it is one.
 """

@@ -173,10 +173,13 @@ def test_torch_2_6_names_are_used_where_2_7_ones_are_missing(monkeypatch):
 
 
 def test_the_device_module_serves_what_torch_accelerator_lacks(monkeypatch):
-    """A torch without ``torch.accelerator`` (older than 2.6), and a device type that is not
-    the machine's accelerator: the device type's own module answers."""
-    monkeypatch.delattr(torch, "accelerator", raising=False)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    """A ``torch.accelerator`` without a function (later releases added them one by one), and
+    a device type that is not the machine's accelerator: the device type's own module answers."""
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: True)
+    monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda: torch.device("cuda"))
+    for name in ("device_count", "current_device_index", "current_device_idx",
+                 "max_memory_allocated"):
+        monkeypatch.delattr(torch.accelerator, name, raising=False)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device: 77)

@@ -199,14 +199,12 @@ def reduce_scatter_avg(
     tag = tag_of(group.next_sequence(), key)
     with group.launching("zerolite::reduce_scatter", what):
         if not group.point_to_point:
-            # gloo sums and the division is ours: some torch releases' gloo reduce-scatter
-            # returns the sum for ReduceOp.AVG, silently (torch 2.4.1; tests/comm/
-            # test_gloo_average.py). NCCL averages in the kernel.
-            on_gloo = group.backend == "gloo"
-            op = dist.ReduceOp.SUM if on_gloo else dist.ReduceOp.AVG
-            work = _reduce_scatter_flat(out, full, op=op, group=group.pg, async_op=True)
-            return Pending([work], (lambda: out.div_(n)) if on_gloo else None, group=group,
-                           what=what)
+            # torch 2.4.1's gloo returned the sum for ReduceOp.AVG, silently; the floor's
+            # average, and every later one's, is held by tests/comm/test_gloo_average.py.
+            work = _reduce_scatter_flat(
+                out, full, op=dist.ReduceOp.AVG, group=group.pg, async_op=True
+            )
+            return Pending([work], group=group, what=what)
         received = torch.empty((n - 1, shard), dtype=full.dtype, device=full.device)
         works = []
         for k in range(1, n):

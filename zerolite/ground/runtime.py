@@ -70,13 +70,10 @@ class Event(Protocol):
 def accelerator_type() -> str | None:
     """The machine's accelerator device type (``"cuda"`` on an NVIDIA GPU), or None when
     none is available (this torch has no accelerator build, or sees no device)."""
-    accelerator = getattr(torch, "accelerator", None)
-    if accelerator is not None and hasattr(accelerator, "current_accelerator"):
-        if not accelerator.is_available():
-            return None
-        device = accelerator.current_accelerator()
-        return None if device is None else device.type
-    return GPU_TYPE if torch.cuda.is_available() else None  # torch < 2.6
+    if not torch.accelerator.is_available():
+        return None
+    device = torch.accelerator.current_accelerator()
+    return None if device is None else device.type
 
 
 def gpu_type() -> str:
