@@ -160,6 +160,16 @@ class ZeroConfig:
     """The fraction, in (0, 1], of this rank's shard elements whose state is offloaded,
     rounded up to whole parameter pieces (the first pieces in layout order)."""
 
+    offload_params: str | None = setting(None, "ZEROLITE_OFFLOAD_PARAMS", parse_optional_choice)
+    """Stage 3 only: where this rank's parameter shards and gradient shards live between
+    uses (`zerolite.params.tiered_shard`). ``None``: in compute memory; ``"disk"``: a
+    preallocated file per rank under ``offload_dir`` (its own, beside the optimizer's);
+    ``"host"``: a host arena. A unit's parameter shard is read just before its all-gather
+    (the next unit's is read ahead while this one computes) and freed right after; a
+    gradient shard is written back after each reduce-scatter; the step brings one bucket's
+    shards in at a time. Composes with ``offload`` (the optimizer state's tier), which is
+    separate."""
+
     shard_group_size: int | str | None = setting(
         None, "ZEROLITE_SHARD_GROUP_SIZE", parse_group_size
     )
@@ -264,6 +274,18 @@ class ZeroConfig:
             raise ValueError(
                 "ZeroConfig.offload_dir: offload='disk' needs a directory for its files; pass "
                 "offload_dir=... (or set ZEROLITE_OFFLOAD_DIR)"
+            )
+        if self.offload_params == "disk" and self.offload_dir is None:
+            raise ValueError(
+                "ZeroConfig.offload_dir: offload_params='disk' needs a directory for its files; "
+                "pass offload_dir=... (or set ZEROLITE_OFFLOAD_DIR)"
+            )
+        if self.offload_params is not None and self.stage != 3:
+            raise ValueError(
+                f"ZeroConfig.offload_params: {self.offload_params!r} needs stage=3; at stage "
+                f"{self.stage} every rank holds the whole parameters between steps, so there is "
+                "no parameter shard to move. Use stage=3, or offload=... to move only the "
+                "optimizer state"
             )
         if self.quantize_gather and self.param_dtype == torch.float16:
             raise ValueError(
@@ -398,6 +420,7 @@ _RULES: tuple[_Rule, ...] = (
     _Rule("offload_fraction", lambda v: _number(v) and 0 < v <= 1,
           "a number in (0, 1] (the fraction of this rank's shard whose optimizer state is "
           "offloaded)", float),
+    _Rule("offload_params", lambda v: v in OFFLOAD_TIERS, "None, 'disk' or 'host'"),
     _Rule("shard_group_size", lambda v: v is None or v == "node" or (_int(v) and v >= 1),
           "None (shard over every rank), an int k >= 1 dividing the world size, or 'node' "
           "(k = LOCAL_WORLD_SIZE)"),

@@ -28,11 +28,14 @@ from zerolite.comm.hybrid import data_parallel_group, shard_group_size
 from zerolite.config import ZeroConfig
 from zerolite.optim.multi import MultiOptimizer, class_name, inner_optimizers
 from zerolite.optim.sharded_optimizer import check_not_sharded
+from zerolite.params.tiered_shard import ShardTier
 from zerolite.plan.offload import OffloadPlan, plan_offload
+from zerolite.plan.param_offload import param_tier_bytes
 from zerolite.plan.quantization import describe_quantization
 from zerolite.plan.shard_plan import ShardPlan, plan_layout
 from zerolite.state.arena import DiskArena, HostArena
 from zerolite.state.offload import check_offload, reserve_arena
+from zerolite.state.param_tier import reserve_param_tier
 
 __all__ = ["agree_on_offload", "agree_on_plan", "world_of"]
 
@@ -92,14 +95,17 @@ def agree_on_plan(
 
 def agree_on_offload(
     plan: ShardPlan, optimizer: torch.optim.Optimizer, config: ZeroConfig, group: Group
-) -> tuple[OffloadPlan | None, DiskArena | HostArena | None]:
+) -> tuple[OffloadPlan | None, DiskArena | HostArena | None, ShardTier | None]:
     """This rank's offload plan over its shard group, and its arena, reserved before
-    anything changes (`reserve_arena`); a tier that cannot hold it (a bad
-    directory, too little space) raises on every rank."""
-    offload, arena = None, None
+    anything changes (`reserve_arena`), and the ``offload_params`` tier, reserved too
+    (`reserve_param_tier`); a tier that cannot hold its bytes (a bad directory, too little
+    space) raises on every rank."""
+    offload, arena, params_tier = None, None, None
     with agreed("zerolite.shard() (offload)", group.world):
         offload = plan_offload(plan, optimizer, config, rank=group.rank, world_size=group.size)
         if offload is not None:
             check_offload(offload, config, plan.device)
             arena = reserve_arena(offload, config, group.rank)
-    return offload, arena
+        parked = param_tier_bytes(plan, config, rank=group.rank, world_size=group.size)
+        params_tier = reserve_param_tier(config, parked, group.rank)
+    return offload, arena, params_tier

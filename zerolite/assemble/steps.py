@@ -53,6 +53,7 @@ from zerolite.optim.sharded_optimizer import ShardedOptimizer
 from zerolite.params.flat_buffer import FlatParamBuffer
 from zerolite.params.guard import guard_conversions
 from zerolite.params.meta_init import MetaBuild, check_before_first_forward, materialize
+from zerolite.params.tiered_shard import ShardTier, in_memory
 from zerolite.params.unit_scheduler import UnitScheduler
 from zerolite.plan.offload import OffloadPlan
 from zerolite.plan.owners import assign_owners
@@ -62,6 +63,7 @@ from zerolite.plan.stages import STAGES
 from zerolite.state.arena import DiskArena, HostArena
 from zerolite.state.master import MasterShard
 from zerolite.state.offload import OffloadTier, build_tier
+from zerolite.state.param_tier import attach_buckets
 from zerolite.state.pieces import pieces_of
 from zerolite.state.shard_state import ShardState, register
 
@@ -89,13 +91,13 @@ def assemble(
     world = world_of(model, optimizer, config)
     optimizer, plan, k, lines, config = agree_on_plan(model, optimizer, config, world)
     group = sharding_group(world, k, config)
-    offload, arena = agree_on_offload(plan, optimizer, config, group)
+    offload, arena, params_tier = agree_on_offload(plan, optimizer, config, group)
     digest = hashlib.sha256("\n".join(lines).encode()).hexdigest()
     # Before anything is cast: what a stock run keeps, and saves (`zerolite.integrations`).
     source_dtypes = {n: p.dtype for n, p in model.named_parameters(remove_duplicate=False)}
     with phase_events.phase("build", world.buffer_device):
-        plan, sharded = _build(model, optimizer, config, group, plan, digest, (offload, arena),
-                               source_dtypes)
+        plan, sharded = _build(model, optimizer, config, group, plan, digest,
+                               (offload, arena, params_tier), source_dtypes)
     phase_events.built(sharded)
     return Assembled(sharded, plan)
 
@@ -107,20 +109,22 @@ def _build(
     group: Group,
     plan: ShardPlan,
     layout_digest: str,
-    reserved: tuple[OffloadPlan | None, DiskArena | HostArena | None],
+    reserved: tuple[OffloadPlan | None, DiskArena | HostArena | None, ShardTier | None],
     source_dtypes: dict[str, torch.dtype],
 ) -> tuple[ShardPlan, ShardedOptimizer]:
     """Every rank agreed: build, one step per concern (the module docstring). Returns the
     plan as built (owners assigned) and the optimizer."""
-    offload, arena = reserved
+    offload, arena, params_tier = reserved
     if plan.partition == "tensor":  # each buffer's parameters ordered by owner: the layout
         plan = assign_owners(plan, group.size)
     exchanges = _choose_exchanges(model, plan, config, group)
-    all_flats, meta_build = _place_parameters(model, plan, exchanges, config, group)
+    all_flats, meta_build = _place_parameters(model, plan, exchanges, config, group, params_tier)
     flats, frozen_flats = all_flats[: len(plan.flat_params)], all_flats[len(plan.flat_params) :]
     masters = _make_masters(flats, config, group, offload)
-    tier = _adopt_optimizer(optimizer, masters, plan, reserved, config, group)
+    tier = _adopt_optimizer(optimizer, masters, plan, (offload, arena), config, group)
     reducer, grads = _wire_gradients(flats, config, group)
+    if params_tier is not None:
+        attach_buckets(params_tier, reducer.buckets)
     scheduler = None
     if plan.units is not None and isinstance(grads, ShardGradsInBackward):
         scheduler = _schedule_units(plan, all_flats, flats, group, config, grads)
@@ -129,7 +133,7 @@ def _build(
         model, group=group, config=config, inner=optimizer, flats=flats, masters=masters,
         frozen_flats=frozen_flats, reducer=reducer, grads=grads, scheduler=scheduler,
         layout_digest=layout_digest, meta_build=meta_build, offload=tier,
-        source_dtypes=source_dtypes,
+        source_dtypes=source_dtypes, params_tier=params_tier,
     )
     sharded = ShardedOptimizer(optimizer, state)
     register(model, state, sharded)
@@ -160,7 +164,8 @@ def _choose_exchanges(
 
 @torch.no_grad()
 def _bound_flat(
-    plan: ShardPlan, index: int, exchange: Exchange, config: ZeroConfig
+    plan: ShardPlan, index: int, exchange: Exchange, config: ZeroConfig,
+    params_tier: ShardTier | None,
 ) -> FlatParamBuffer:
     """Flat buffer ``index`` of ``plan``, bound to its parameters (their values copied in)."""
     params = plan.all_flat_params[index]
@@ -173,6 +178,7 @@ def _bound_flat(
         device=plan.device,
         index=index,
         exchange=exchange,
+        params_tier=params_tier,
     )
     flat.bind()
     return flat
@@ -184,13 +190,15 @@ def _place_parameters(
     exchanges: list[Exchange],
     config: ZeroConfig,
     group: Group,
+    params_tier: ShardTier | None,
 ) -> tuple[list[FlatParamBuffer], MetaBuild | None]:
     """Every flat buffer, bound to its parameters, in `ShardPlan.all_flat_params` order, and
-    a meta build's `MetaBuild` (None otherwise). Stage 3 keeps only this rank's shards."""
+    a meta build's `MetaBuild` (None otherwise). Stage 3 keeps only this rank's shards
+    (parked on ``params_tier`` with ``offload_params``, each as soon as it is complete)."""
     shards = STAGES[config.stage].shards_parameters
 
     def make_flat(index: int) -> FlatParamBuffer:
-        return _bound_flat(plan, index, exchanges[index], config)
+        return _bound_flat(plan, index, exchanges[index], config, params_tier)
 
     if plan.on_meta:
         # Every rank computes the same values from rank 0's generator: nothing to broadcast.
@@ -228,12 +236,14 @@ def _make_masters(
     the offload tier. A quantized all-gather overwrites a replicated buffer's own shard, so
     there the masters are copies even in fp32."""
     copy = config.quantize_gather and group.size > 1
-    return [
-        MasterShard(
-            flat, 0 if offload is None else offload.per_buffer[i], copy=copy and flat.replicated
-        )
-        for i, flat in enumerate(flats)
-    ]
+    masters = []
+    for i, flat in enumerate(flats):
+        with in_memory(flat.tiered):  # a 16-bit master starts as the shard's values
+            masters.append(MasterShard(
+                flat, 0 if offload is None else offload.per_buffer[i],
+                copy=copy and flat.replicated,
+            ))
+    return masters
 
 
 def _adopt_optimizer(

@@ -24,6 +24,7 @@ import torch
 
 from zerolite.comm.collectives import Pending
 from zerolite.params.flat_buffer import FlatParamBuffer
+from zerolite.params.tiered_shard import TieredTensor
 
 __all__ = ["GradBucket"]
 
@@ -79,6 +80,20 @@ class GradBucket:
         self._arrived_count = 0
         self._result: torch.Tensor | None = None
         self._sent: torch.Tensor | None = None
+        # Stage 3 with offload_params: `shard`'s home on the tier, parked after each
+        # reduce-scatter lands in it (`zerolite.params.tiered_shard`).
+        self.tiered: TieredTensor | None = None
+
+    def fetch_shard(self) -> torch.Tensor:
+        """``shard``, resident (with ``offload_params`` it may be parked)."""
+        assert self.shard is not None
+        return self.shard if self.tiered is None else self.tiered.fetch()
+
+    def park_shard(self, changed: bool = False) -> None:
+        """``offload_params``: park ``shard`` again (writing it if ``changed`` or not yet
+        on the tier); no-op otherwise."""
+        if self.tiered is not None:
+            self.tiered.park(dirty=changed)
 
     def full_buffer(self) -> torch.Tensor:
         """``full``, allocated on first use (padding zeroed; parameter regions are written by
@@ -149,6 +164,8 @@ class GradBucket:
             )
             self.shard_is_zero = True
         # Reduce straight into the shard when it holds nothing yet.
+        if self.shard_is_zero and self.tiered is not None:
+            self.tiered.fetch(read=False)
         out = self.shard if self.shard_is_zero else torch.empty_like(self.shard)
         what = f"the reduce-scatter of gradient bucket {self.flat.index}"
         self._pending = self.flat.exchange.reduce_scatter(send, out, what=what)
@@ -166,8 +183,9 @@ class GradBucket:
             return
         self._pending.wait()
         if self._result is not self.shard:
-            self.shard.add_(self._result)
+            self.fetch_shard().add_(self._result)
         self.shard_is_zero = False
+        self.park_shard(changed=True)
         self._pending = self._result = self._sent = None
         if not self.keep_full:
             self.full = None
@@ -183,7 +201,10 @@ class GradBucket:
         self.wait()
         self.consume()
         if self.shard is not None and not self.shard_is_zero:
-            self.shard.zero_()
+            if self.tiered is None:
+                self.shard.zero_()
+            else:  # parked: zeroed when next fetched, the tier untouched
+                self.tiered.clear()
             self.shard_is_zero = True
         self._reset_arrivals()
         if not self.keep_full:

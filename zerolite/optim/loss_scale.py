@@ -44,7 +44,7 @@ class DynamicLossScaler:
         self.growth_interval = growth_interval
         self.good_steps = 0
 
-    def found_overflow(self, shards: list[torch.Tensor], group: Group) -> bool:
+    def found_overflow(self, shards: Sequence[torch.Tensor], group: Group) -> bool:
         """True on every rank if any rank's ``shards`` hold an inf or nan.
 
         One host sync per call, not one per shard: the per-shard checks stay on the

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -35,6 +35,7 @@ from zerolite.optim.optimizer_hooks import init_optimizer_hooks
 from zerolite.optim.state_dict import load_sharded_state_dict, sharded_state_dict
 from zerolite.optim.streamed_step import stream_step
 from zerolite.params.flat_buffer import FlatParamBuffer
+from zerolite.params.tiered_shard import one_at_a_time
 from zerolite.plan.inputs import check_model
 from zerolite.state.master import MasterShard
 from zerolite.state.shard_state import ShardState, state_of
@@ -198,22 +199,53 @@ class ShardedOptimizer(torch.optim.Optimizer):
         one step covers every bucket, saving the optimizer's per-call pass over all groups."""
         gathers = []
         waiting: list[MasterShard] = []
+        tiered = self.shard_state.params_tier is not None
         for b, (master, bucket) in enumerate(zip(self.masters, self.buckets)):
-            shard = bucket.shard
-            if shard is None:
+            if bucket.shard is None:
                 raise RuntimeError(
                     f"{self.group.prefix()} bucket {b} has no reduced gradient shard"
                 )
+            if tiered:  # one bucket's shards in memory at a time, the next one's read ahead
+                shard = self._fetch_bucket(b)
+            else:
+                shard = bucket.shard
             master.set_grads(self._fp32_gradient(shard), used[b])
             waiting.append(master)
-            if master.flat.replicated or shard.dtype != torch.float32:
+            if master.flat.replicated or shard.dtype != torch.float32 or tiered:
                 self._step_masters(waiting)
                 waiting = []
+            if tiered:
+                self._park_bucket(b, shard)
             if master.flat.replicated:  # stage 3 keeps parameters sharded: nothing to gather
                 gathers.append(master.flat.all_gather())
         self._step_masters(waiting)
         for gather in gathers:
             gather.wait()
+
+    def _fetch_bucket(self, b: int) -> torch.Tensor:
+        """``offload_params``: bucket ``b``'s gradient shard and parameter shard in memory
+        (the next bucket's start reading); returns the gradient shard."""
+        if b + 1 < len(self.buckets):
+            nxt = self.buckets[b + 1]
+            for ahead in (nxt.tiered, nxt.flat.tiered):
+                if ahead is not None:
+                    ahead.read_ahead()
+        tiered = self.flats[b].tiered
+        if tiered is not None:
+            tiered.fetch()
+        return self.buckets[b].fetch_shard()
+
+    def _park_bucket(self, b: int, shard: torch.Tensor) -> None:
+        """``offload_params``: after bucket ``b`` stepped, its new parameter shard goes back
+        to the tier; its gradient shard too, rewritten only if the unscale/clip factor was
+        applied to it in place (`_fp32_gradient`)."""
+        tiered = self.flats[b].tiered
+        if tiered is not None:
+            tiered.park(dirty=True)
+        factor_applied = shard.dtype == torch.float32 and (
+            self.loss_scaler is not None or self._clipped
+        )
+        self.buckets[b].park_shard(changed=factor_applied)
 
     def _step_masters(self, masters: list[MasterShard]) -> None:
         if not masters:
@@ -252,7 +284,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
             grad.mul_(self._grad_factor)  # a CPU scalar: no copy to the device, no sync
         return grad
 
-    def _grad_shards(self) -> list[torch.Tensor]:
+    def _grad_shards(self, changes: bool = False) -> Sequence[torch.Tensor]:
+        """Every bucket's gradient shard, in bucket order, for one walk over them: with
+        ``offload_params`` one at a time (`one_at_a_time`; ``changes``: the walk writes
+        into them)."""
+        if self.shard_state.params_tier is not None:
+            return one_at_a_time([b.tiered for b in self.buckets if b.tiered is not None],
+                                 dirty=changes)
         return [b.shard for b in self.buckets if b.shard is not None]
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
@@ -331,7 +369,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         # The shards still carry the pending factor (the loss scale, a norm clip): bound
         # them in their own units, so the bound holds once the factor is applied.
         bound = value / factor
-        for shard in self._grad_shards():
+        for shard in self._grad_shards(changes=True):
             shard.clamp_(-bound, bound)
 
     def state_dict(self) -> dict[str, Any]:

@@ -19,6 +19,7 @@ from torch import nn
 
 from zerolite.comm.collectives import Pending
 from zerolite.comm.exchange import Exchange
+from zerolite.params.tiered_shard import ShardTier, TieredTensor
 from zerolite.plan.layout import FlatLayout, Span
 
 __all__ = ["FlatParamBuffer"]
@@ -36,6 +37,8 @@ class FlatParamBuffer:
         index: position of this buffer among all of the model's buffers.
         exchange: how the buffer crosses ranks (`zerolite.comm.exchange`); the flat buffer
             all-gathers through it, its gradient bucket reduce-scatters through it.
+        params_tier: stage 3 with ``offload_params``: where `shard_only` parks the shard
+            (`zerolite.params.tiered_shard`).
     """
 
     def __init__(
@@ -49,6 +52,7 @@ class FlatParamBuffer:
         device: torch.device,
         index: int,
         exchange: Exchange,
+        params_tier: ShardTier | None = None,
     ) -> None:
         self.params = params
         self.names = names
@@ -67,6 +71,9 @@ class FlatParamBuffer:
         # True while every rank holds the full buffer between steps (stages 1-2).
         self.replicated = True
         self._full_bytes = self.data.untyped_storage().nbytes()
+        # Stage 3 with offload_params: `shard`'s home on the tier (parked between uses).
+        self._params_tier = params_tier
+        self.tiered: TieredTensor | None = None
 
     def bind(self) -> None:
         """Copy each parameter's values into the buffer and make ``param.data`` a view of it."""
@@ -91,6 +98,10 @@ class FlatParamBuffer:
         """
         self.shard = self.shard.clone()
         self.replicated = False
+        if self._params_tier is not None:
+            self.tiered = self._params_tier.add(
+                self.shard, f"the parameter shard of flat buffer {self.index}"
+            )
         self._nan = torch.full((1,), float("nan"), dtype=self.data.dtype, device=self.data.device)
         # Expanded from a 0-dim view, so that a 0-dim parameter gets a placeholder too.
         self._placeholders = [self._nan[0].expand(shape) for shape in self.shapes]
@@ -119,10 +130,20 @@ class FlatParamBuffer:
             return Pending()
         self.data.untyped_storage().resize_(self._full_bytes)
         lo, hi = self.layout.shard_range(self.rank)
+        if self.tiered is not None:  # the shard is needed only for this copy
+            self.tiered.fetch()
         self.data[lo:hi].copy_(self.shard)
+        if self.tiered is not None:
+            self.tiered.park()
         for i, p in enumerate(self.params):
             p.data = self.param_view(self.data, i)
         return self.all_gather(what)
+
+    def read_ahead(self) -> None:
+        """With ``offload_params``: start reading the parked shard (the next `unshard` finds
+        it in memory); otherwise nothing."""
+        if self.tiered is not None and not self.unsharded:
+            self.tiered.read_ahead()
 
     def all_gather(self, what: str = "") -> Pending:
         """Launch the in-place all-gather of ``data`` from every rank's chunk, through the

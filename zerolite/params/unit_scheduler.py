@@ -165,6 +165,7 @@ class UnitScheduler:
                 pos = self.order.index(i)
                 for j in self.order[pos + 1 : pos + 1 + self.prefetch]:
                     self.gather(j)
+                self._read_ahead(self.order[pos + 1 + self.prefetch : pos + 2 + self.prefetch])
 
         return pre_forward
 
@@ -182,6 +183,7 @@ class UnitScheduler:
         if self._order_fixed:
             for j in self.order[: self.prefetch]:
                 self.gather(j)
+            self._read_ahead(self.order[self.prefetch : self.prefetch + 1])
 
     def _root_post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
         self._order_fixed = True
@@ -217,6 +219,16 @@ class UnitScheduler:
             later = []
         for j in later[: self.prefetch]:
             self.gather(j)
+        self._read_ahead(later[self.prefetch : self.prefetch + 1])
+
+    def _read_ahead(self, units: list[int]) -> None:
+        """``offload_params``: start reading the shards of the unit gathered after the
+        prefetched ones, so that its read overlaps this unit's compute
+        (`zerolite.params.tiered_shard`). Nothing otherwise."""
+        for j in units:
+            if j not in self._pending and not self.is_unsharded(j):
+                for flat in self.flats[j]:
+                    flat.read_ahead()
 
     def on_unit_gradients_ready(self, i: int) -> None:
         """Every gradient of unit ``i`` is in its bucket: its full parameters can go,

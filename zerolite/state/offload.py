@@ -28,12 +28,13 @@ import torch
 
 from zerolite.config import ZeroConfig
 from zerolite.ground import runtime
+from zerolite.params.tiered_shard import in_memory
 from zerolite.plan.offload import MASTER, OffloadPlan, chunk_bytes_for
 from zerolite.state.arena import DiskArena, HostArena
 from zerolite.state.master import MasterShard
 from zerolite.state.pinned import host_buffer, pinning_available
 
-__all__ = ["OffloadTier", "build_tier", "check_offload"]
+__all__ = ["OffloadTier", "build_tier", "check_disk_room", "check_offload"]
 
 
 def check_offload(plan: OffloadPlan, config: ZeroConfig, device: torch.device) -> None:
@@ -44,21 +45,27 @@ def check_offload(plan: OffloadPlan, config: ZeroConfig, device: torch.device) -
     (its staging buffers need it). A missing ``offload_dir`` whose parent is a writable
     directory is created here (and removed again if a later check fails)."""
     if plan.tier == "disk":
-        where = config.offload_dir
-        created = _make_offload_dir(where)
-        try:
-            _check_disk(where, plan.nbytes)
-        except ValueError:
-            if created:  # only if still empty: another rank may be using it
-                with contextlib.suppress(OSError):
-                    os.rmdir(where)
-            raise
+        check_disk_room(config.offload_dir, plan.nbytes, "this rank's optimizer state")
     elif runtime.is_accelerator(device) and not pinning_available():
         raise ValueError(
             "ZeroConfig.offload: 'host' needs pinned host memory for a CUDA model (the "
             "streamed step's staging buffers), and this system cannot pin memory; use "
             "offload='disk' or offload=None"
         )
+
+
+def check_disk_room(where: str | None, nbytes: int, what: str) -> None:
+    """Raise ValueError unless ``where`` is (or, its parent being a writable directory, is
+    now made) a writable directory with ``nbytes`` free for ``what`` (the message's words);
+    a directory made here is removed again when the check fails."""
+    created = _make_offload_dir(where)
+    try:
+        _check_disk(where, nbytes, what)
+    except ValueError:
+        if created:  # only if still empty: another rank may be using it
+            with contextlib.suppress(OSError):
+                os.rmdir(where)
+        raise
 
 
 def _make_offload_dir(where: str | None) -> bool:
@@ -87,7 +94,7 @@ def _make_offload_dir(where: str | None) -> bool:
     return True
 
 
-def _check_disk(where: str | None, nbytes: int) -> None:
+def _check_disk(where: str | None, nbytes: int, what: str) -> None:
     """The disk tier's directory exists, is writable and has ``nbytes`` free."""
     if where is None or not os.path.isdir(where):
         raise ValueError(
@@ -105,9 +112,8 @@ def _check_disk(where: str | None, nbytes: int) -> None:
     free = shutil.disk_usage(where).free
     if free < nbytes:
         raise ValueError(
-            f"ZeroConfig.offload_dir: {where!r} has {free} bytes free; offloading this "
-            f"rank's optimizer state needs {nbytes} bytes. Free space, pick another "
-            "directory or lower offload_fraction"
+            f"ZeroConfig.offload_dir: {where!r} has {free} bytes free; offloading {what} "
+            f"needs {nbytes} bytes. Free space, pick another directory or offload less"
         )
 
 
@@ -295,14 +301,26 @@ def build_tier(
     optimizer already had."""
     device = masters[0].flat.data.device if masters else torch.device("cpu")
     tier = OffloadTier(plan, config, device, rank, arena)
-    for index, slot in enumerate(plan.slots):
-        master = masters[slot.buffer]
-        span = master.flat.spans[slot.position]
-        view = master.views[slot.position]
-        if tier.has_master(index):
-            values = master.flat.shard[span.shard_start : span.shard_start + span.numel]
-            tier.write(index, MASTER, 0, values.float())
-        scalars = tier.write_state(index, optimizer.state.pop(view, {}))
-        if scalars:
-            optimizer.state[view] = scalars
+    for b, master in enumerate(masters):
+        # A parked shard (offload_params) comes in one buffer at a time.
+        with in_memory(master.flat.tiered):
+            for index, slot in enumerate(plan.slots):
+                if slot.buffer == b:
+                    _fill_slot(tier, index, master, optimizer)
     return tier
+
+
+def _fill_slot(
+    tier: OffloadTier, index: int, master: MasterShard, optimizer: torch.optim.Optimizer
+) -> None:
+    """Slot ``index``'s master (16-bit: the parameter shard's values) and the optimizer's
+    state for its piece, moved to the tier."""
+    slot = tier.plan.slots[index]
+    span = master.flat.spans[slot.position]
+    view = master.views[slot.position]
+    if tier.has_master(index):
+        values = master.flat.shard[span.shard_start : span.shard_start + span.numel]
+        tier.write(index, MASTER, 0, values.float())
+    scalars = tier.write_state(index, optimizer.state.pop(view, {}))
+    if scalars:
+        optimizer.state[view] = scalars

@@ -28,6 +28,7 @@ from zerolite.grads.hooks import KeepFullGrads, ShardGradsInBackward
 from zerolite.grads.reducer import GradReducer
 from zerolite.params.flat_buffer import FlatParamBuffer
 from zerolite.params.meta_init import MetaBuild
+from zerolite.params.tiered_shard import ShardTier
 from zerolite.params.unit_scheduler import UnitScheduler
 from zerolite.state.master import MasterShard
 from zerolite.state.offload import OffloadTier
@@ -52,6 +53,8 @@ class ShardState:
         layout_digest: sha256 of what every rank agreed on at `shard()`.
         meta_build: a meta build's `MetaBuild` until its first forward passes, else None.
         offload: the `OffloadTier` (``config.offload`` set), else None.
+        params_tier: where parameter and gradient shards are parked between uses
+            (``config.offload_params`` set, `zerolite.params.tiered_shard`), else None.
         source_dtypes: every parameter's dtype when `shard()` took the model, by each of
             its names (tied parameters under each): what a stock run keeps, and saves.
     """
@@ -73,6 +76,7 @@ class ShardState:
         meta_build: MetaBuild | None,
         offload: OffloadTier | None,
         source_dtypes: dict[str, torch.dtype],
+        params_tier: ShardTier | None = None,
     ) -> None:
         self.group = group
         self.config = config
@@ -84,6 +88,7 @@ class ShardState:
         self.grads = grads
         self.layout_digest = layout_digest
         self.offload = offload
+        self.params_tier = params_tier
         self.source_dtypes = source_dtypes
         self._meta_build = meta_build
         # Weak: see the module docstring (the model's hooks keep the scheduler alive).
@@ -161,6 +166,17 @@ class ShardState:
             if not was_gathered:
                 scheduler.reshard(unit)
 
+    @contextlib.contextmanager
+    def resident(self, writes: bool = False) -> Iterator[None]:
+        """Every parameter and gradient shard in memory for the block (with
+        ``offload_params`` they are parked between uses; no-op otherwise), parked again
+        on exit, written back if ``writes`` (the block changes them). Local to this rank."""
+        if self.params_tier is None:
+            yield
+            return
+        with self.params_tier.resident(writes):
+            yield
+
     def publish(self) -> None:
         """Make the parameters show masters and shards written outside a step (a load).
 
@@ -171,8 +187,9 @@ class ShardState:
         scheduler = self.scheduler
         if scheduler is not None:
             scheduler.reshard_all()
-        for master in self.masters:
-            master.write_back()
+        with self.resident(writes=True):
+            for master in self.masters:
+                master.write_back()
         gathers = [m.flat.all_gather() for m in self.masters if m.flat.replicated]
         for gather in gathers:
             gather.wait()
