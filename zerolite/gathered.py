@@ -28,6 +28,7 @@ from zerolite.checkpoint.rank_file import state_dict_names
 from zerolite.comm.collectives import all_gather_inplace, broadcast
 from zerolite.comm.owned import gather_from_owners
 from zerolite.params.flat_buffer import FlatParamBuffer
+from zerolite.params.tiered_shard import in_memory
 from zerolite.params.unit_scheduler import UnitScheduler
 from zerolite.state.shard_state import ShardState, require_state, state_of
 
@@ -90,7 +91,8 @@ def gathered_parameters(model: nn.Module, modifier_rank: int | None = None) -> I
                 )
                 lo, hi = flat.layout.shard_range(flat.rank)
                 if not flat.replicated:
-                    flat.shard.copy_(flat.data[lo:hi])
+                    with in_memory(flat.tiered, changes=True):  # offload_params: parked
+                        flat.shard.copy_(flat.data[lo:hi])
                 master = masters.get(id(flat))
                 if master is not None and not master.is_view:
                     master.data.copy_(flat.data[lo:hi])

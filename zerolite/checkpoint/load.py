@@ -200,7 +200,9 @@ def load(
             schedulers (number or classes) than at save.
     """
     optimizer = require_sharded_optimizer(optimizer, "zerolite.checkpoint.load()")
-    with phase_events.phase("load", optimizer.group.buffer_device):
+    # offload_params: the parked shards come in for the load and go back written.
+    with phase_events.phase("load", optimizer.group.buffer_device), \
+            optimizer.shard_state.resident(writes=True):
         extra = _load(Path(path), model, optimizer, schedulers)
     optimizer.shard_state.mark_loaded(None)
     return extra

@@ -158,7 +158,7 @@ def load_pretrained(
             does not name for it (the map decides; a disagreeing file is an error).
     """
     state = require_state(model, "load_pretrained()", "; call shard() first")
-    with phase_events.phase("load", state.group.buffer_device):
+    with phase_events.phase("load", state.group.buffer_device), state.resident(writes=True):
         _load(model, state, files, strict)
 
 

@@ -205,6 +205,21 @@ def save(
     """
     path = Path(path)
     optimizer = require_sharded_optimizer(optimizer, "zerolite.checkpoint.save()")
+    # offload_params: the parked shards in memory while this rank's tensors are read (an
+    # asynchronous save has copied them into its staging area when this returns).
+    with optimizer.shard_state.resident():
+        return _save(path, model, optimizer, schedulers, extra, overwrite, blocking)
+
+
+def _save(
+    path: Path,
+    model: nn.Module,
+    optimizer: ShardedOptimizer,
+    schedulers: Sequence[Any],
+    extra: Any,
+    overwrite: bool,
+    blocking: bool,
+) -> Path | PendingSave:
     group = optimizer.group.world
     with agreed("zerolite.checkpoint.save()", group):
         finish_in_flight()

@@ -10,6 +10,7 @@ steps it is multiplied by ``growth_factor``. Same policy as ``torch.amp.GradScal
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch

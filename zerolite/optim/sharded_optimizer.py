@@ -32,6 +32,7 @@ from zerolite.grads.reducer import GradReducer
 from zerolite.optim.grad_clip import GradNorm, clip_coefficient
 from zerolite.optim.loss_scale import DynamicLossScaler
 from zerolite.optim.optimizer_hooks import init_optimizer_hooks
+from zerolite.optim.parked_step import copy_tensors, fetch_bucket, park_bucket
 from zerolite.optim.state_dict import load_sharded_state_dict, sharded_state_dict
 from zerolite.optim.streamed_step import stream_step
 from zerolite.params.flat_buffer import FlatParamBuffer
@@ -206,7 +207,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                     f"{self.group.prefix()} bucket {b} has no reduced gradient shard"
                 )
             if tiered:  # one bucket's shards in memory at a time, the next one's read ahead
-                shard = self._fetch_bucket(b)
+                shard = fetch_bucket(self.buckets, b)
             else:
                 shard = bucket.shard
             master.set_grads(self._fp32_gradient(shard), used[b])
@@ -214,38 +215,16 @@ class ShardedOptimizer(torch.optim.Optimizer):
             if master.flat.replicated or shard.dtype != torch.float32 or tiered:
                 self._step_masters(waiting)
                 waiting = []
-            if tiered:
-                self._park_bucket(b, shard)
+            if tiered:  # written back only if the unscale/clip factor was applied in place
+                factor_applied = shard.dtype == torch.float32 and (
+                    self.loss_scaler is not None or self._clipped
+                )
+                park_bucket(bucket, grad_changed=factor_applied)
             if master.flat.replicated:  # stage 3 keeps parameters sharded: nothing to gather
                 gathers.append(master.flat.all_gather())
         self._step_masters(waiting)
         for gather in gathers:
             gather.wait()
-
-    def _fetch_bucket(self, b: int) -> torch.Tensor:
-        """``offload_params``: bucket ``b``'s gradient shard and parameter shard in memory
-        (the next bucket's start reading); returns the gradient shard."""
-        if b + 1 < len(self.buckets):
-            nxt = self.buckets[b + 1]
-            for ahead in (nxt.tiered, nxt.flat.tiered):
-                if ahead is not None:
-                    ahead.read_ahead()
-        tiered = self.flats[b].tiered
-        if tiered is not None:
-            tiered.fetch()
-        return self.buckets[b].fetch_shard()
-
-    def _park_bucket(self, b: int, shard: torch.Tensor) -> None:
-        """``offload_params``: after bucket ``b`` stepped, its new parameter shard goes back
-        to the tier; its gradient shard too, rewritten only if the unscale/clip factor was
-        applied to it in place (`_fp32_gradient`)."""
-        tiered = self.flats[b].tiered
-        if tiered is not None:
-            tiered.park(dirty=True)
-        factor_applied = shard.dtype == torch.float32 and (
-            self.loss_scaler is not None or self._clipped
-        )
-        self.buckets[b].park_shard(changed=factor_applied)
 
     def _step_masters(self, masters: list[MasterShard]) -> None:
         if not masters:
@@ -378,7 +357,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
         Carries rank, world size, stage and a layout digest; see `load_state_dict`.
         Tensors are references (as with any torch optimizer): copy before mutating.
         """
-        return sharded_state_dict(self.shard_state, self.loss_scaler)
+        if self.shard_state.params_tier is None:
+            return sharded_state_dict(self.shard_state, self.loss_scaler)
+        # offload_params: copies, since the shards they would view are parked again after.
+        with self.shard_state.resident():
+            return copy_tensors(sharded_state_dict(self.shard_state, self.loss_scaler))
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load the dict this same rank saved, at the same world size, stage and layout.
@@ -386,7 +369,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         Every rank must call, each with its own rank's dict. Refused on every rank,
         before anything changes, if any rank got another rank's dict or another layout.
         """
-        load_sharded_state_dict(self.shard_state, state_dict, self.loss_scaler)
+        with self.shard_state.resident(writes=True):
+            load_sharded_state_dict(self.shard_state, state_dict, self.loss_scaler)
 
     def publish_masters(self) -> None:
         """Make the parameters show masters and shards written outside `step` (by a load).
