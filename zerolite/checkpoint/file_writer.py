@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from zerolite.checkpoint.commit import fault_point, hold_point
+from zerolite.ground.tensor_bytes import bytes_of
 
 __all__ = [
     "SAFETENSORS_DTYPE", "ByteRange", "LazyTensor", "byte_ranges", "data_blocks",
@@ -114,7 +115,7 @@ def safetensors_header(
 
 def as_bytes(tensor: torch.Tensor) -> memoryview:
     """A contiguous CPU tensor's memory as bytes, without copying."""
-    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+    return bytes_of(tensor)
 
 
 def data_blocks(

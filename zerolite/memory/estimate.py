@@ -19,6 +19,10 @@ same padding, the same per-parameter master pieces on the chosen rank -- and cou
   tier -- their per-element state, and their masters when 16-bit -- taken out of
   ``master`` and ``optimizer_state``; transient adds the streamed step's three chunks
   in flight (each at most the tier's size).
+- offloaded (``config.offload_params``, stage 3): every parameter and gradient shard,
+  parked on its tier between uses (`zerolite.plan.param_offload`), taken out of ``params``
+  and ``grads``; transient adds the step's bucket and the next one read ahead (parameter
+  and gradient shards of the largest bucket, twice).
 
 The four model-state fields are byte-exact against `footprint` of the same model,
 optimizer and config (that is tested), so it can be used to choose a stage, a world
@@ -47,6 +51,7 @@ from zerolite.plan.offload import (
 )
 from zerolite.plan.optimizers import NAMED, build_named, name_of, spec_of
 from zerolite.plan.owners import assign_owners
+from zerolite.plan.param_offload import aligned
 from zerolite.plan.quantization import residual_numel
 from zerolite.plan.shard_plan import ShardPlan, plan_layout
 from zerolite.plan.stages import STAGES
@@ -144,9 +149,19 @@ def _breakdown(
         # Whole owned tensors are never cut: a larger one widens its staging buffer.
         whole = max((s.nbytes for s in offload.slots if s.shapes), default=0)
         transient += 3 * min(offload.nbytes, max(whole, chunk_bytes_for(offload.nbytes)))
+    params = held(policy.shards_parameters) * p + frozen_shards
+    grads = held(policy.shards_gradients) * kept_g
+    parked = 0
+    if config.offload_params is not None:  # stage 3's shards on the tier between uses
+        shards = [b.layout.shard_size(rank) for b in buffers]
+        parked = sum(aligned(n * p) + aligned(n * g) for n in shards) + sum(
+            aligned(f.shard_numel * p) for f in frozen)
+        # The step's bucket (parameter and gradient shard) and the next one, read ahead.
+        transient += 2 * max(shards) * (p + g)
+        params, grads = 0, 0
     return MemoryBreakdown(
-        params=held(policy.shards_parameters) * p + frozen_shards + other,
-        grads=held(policy.shards_gradients) * kept_g + other_grads,
+        params=params + other,
+        grads=grads + other_grads,
         master=master,
         optimizer_state=state,
         transient=transient,
@@ -154,8 +169,8 @@ def _breakdown(
             residual_numel(b.layout.shard_numel, world, config, replicas) for b in buffers
         ),
         ownership_imbalance=layout_imbalance(b.layout for b in buffers),
-        offloaded=0 if offload is None else offload.nbytes,
-        offload_tier=None if offload is None else offload.tier,
+        offloaded=parked + (0 if offload is None else offload.nbytes),
+        offload_tier=config.offload or config.offload_params,
     )
 
 

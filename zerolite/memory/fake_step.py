@@ -34,6 +34,7 @@ from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTens
 from torch.utils._python_dispatch import _disable_current_modes
 
 from zerolite.memory.ledger import StorageLedger
+from zerolite.params import tiered_shard
 from zerolite.state import offload as offload_tier
 
 __all__ = ["fake_step"]
@@ -172,6 +173,7 @@ def fake_step(ledger: StorageLedger) -> Iterator[_LedgerMode]:
     threads = offload_tier.ThreadPoolExecutor
     torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign]
     offload_tier.ThreadPoolExecutor = lambda *a, **k: _Inline()  # type: ignore[misc,assignment]
+    tiered_shard.ThreadPoolExecutor = lambda *a, **k: _Inline()  # type: ignore[misc,assignment]
     zerolite_logger.setLevel(logging.WARNING)
     try:
         with warnings.catch_warnings(), torch.random.fork_rng(devices=[]):
@@ -181,4 +183,5 @@ def fake_step(ledger: StorageLedger) -> Iterator[_LedgerMode]:
     finally:
         torch.UntypedStorage.resize_ = original_resize  # type: ignore[method-assign]
         offload_tier.ThreadPoolExecutor = threads  # type: ignore[misc]
+        tiered_shard.ThreadPoolExecutor = threads  # type: ignore[misc]
         zerolite_logger.setLevel(level)

@@ -168,13 +168,15 @@ def footprint(opt: ShardedOptimizer) -> MemoryBreakdown:
         + [f.data for f in [*opt.flats, *opt.frozen_flats] if not f.replicated]
         + opt.bookkeeping_tensors()
     )
-    tier = opt.shard_state.offload
+    tier, params_tier = opt.shard_state.offload, opt.shard_state.params_tier
     return MemoryBreakdown(
         params=params, grads=grads, master=master, optimizer_state=state, transient=transient,
         residual=residual,
         ownership_imbalance=layout_imbalance([f.layout for f in opt.flats]),
-        offloaded=0 if tier is None else tier.arena_bytes,
-        offload_tier=None if tier is None else tier.plan.tier,
+        offloaded=(0 if tier is None else tier.arena_bytes) + (
+            0 if params_tier is None else params_tier.capacity),
+        offload_tier=tier.plan.tier if tier is not None else (
+            None if params_tier is None else params_tier.tier),
         offload_staging=0 if tier is None else tier.staging_bytes,
     )
 

@@ -97,7 +97,7 @@ def predict_peak(
     _check(model_fn, batch_fn, config, world_size, micro_batch, accumulation, rank, device,
            optimizer)
     ledger = StorageLedger(
-        device, arena_resident=config.offload == "host" and device == "cpu",
+        device, arena_resident=_arena_resident(config, device),
         granularity=runtime.allocation_granularity(device),
     )
     started = time.perf_counter()
@@ -114,8 +114,9 @@ def predict_peak(
         sent = _steps(world, ledger, model, opt, batch_fn, micro_batch, accumulation,
                       max_grad_norm, device, every_micro_step)
         _name_survivors(ledger, opt)
-        tier = opt.shard_state.offload
-        offloaded = 0 if tier is None else tier.arena_bytes
+        tier, params_tier = opt.shard_state.offload, opt.shard_state.params_tier
+        offloaded = (0 if tier is None else tier.arena_bytes) + (
+            0 if params_tier is None else params_tier.capacity)
     if config.param_dtype is None:  # the model's own, as the simulated shard() chose it
         config = config.with_param_dtype(opt.config.param_dtype)
     return _prediction(ledger, config, sent, offloaded, world_size, rank, micro_batch,
@@ -159,6 +160,14 @@ def _steps(
     return sent
 
 
+def _arena_resident(config: ZeroConfig, device: str) -> bool:
+    """Whether the tiers' arenas are memory of ``device``: host tiers of a CPU model. (A
+    disk tier is simulated by a host arena that is not; with one tier on disk and the
+    other on the host, neither arena is counted.)"""
+    tiers = {config.offload, config.offload_params} - {None}
+    return device == "cpu" and tiers == {"host"}
+
+
 def _simulated(config: ZeroConfig, device: str) -> ZeroConfig:
     """``config`` as the simulated rank runs it: the simulated world's default group, the
     exchanges gloo (CPU) or NCCL (CUDA) would get, a disk tier as a host arena."""
@@ -169,10 +178,12 @@ def _simulated(config: ZeroConfig, device: str) -> ZeroConfig:
     if isinstance(config.process_group, DeviceMesh):
         k = config.process_group.shape[1]
     disk = config.offload == "disk"
+    params_disk = config.offload_params == "disk"
     return dataclasses.replace(
         config, process_group=None, collectives=collectives, shard_group_size=k,
         offload="host" if disk else config.offload,
-        offload_dir=None if disk else config.offload_dir,
+        offload_params="host" if params_disk else config.offload_params,
+        offload_dir=None if disk or params_disk else config.offload_dir,
         device=torch.device(device) if config.device is None else config.device,
     )
 

@@ -6,12 +6,13 @@ layout of what lies where is `zerolite.state.offload`'s.
 
 from __future__ import annotations
 
-import ctypes
 import os
 import uuid
 import weakref
 
 import torch
+
+from zerolite.ground.tensor_bytes import bytes_of
 
 __all__ = ["DiskArena", "HostArena"]
 
@@ -40,7 +41,7 @@ class DiskArena:
         self._finalizer = weakref.finalize(self, os.close, self.fd)
 
     def read(self, offset: int, out: torch.Tensor) -> None:
-        view = _bytes_of(out)
+        view = bytes_of(out)
         done = 0
         while done < len(view):
             n = os.preadv(self.fd, [view[done:]], offset + done)
@@ -50,7 +51,7 @@ class DiskArena:
 
     def write(self, offset: int, src: torch.Tensor) -> None:
         src = src.contiguous()
-        view = _bytes_of(src)
+        view = bytes_of(src)
         done = 0
         while done < len(view):
             done += os.pwritev(self.fd, [view[done:]], offset + done)
@@ -62,17 +63,6 @@ class DiskArena:
     def nbytes(self) -> int:
         """Bytes the arena reserved in its file (``os.posix_fallocate``)."""
         return self._nbytes
-
-
-def _bytes_of(t: torch.Tensor) -> memoryview:
-    """The bytes of ``t`` (contiguous, CPU) as a writable memoryview. Not through
-    ``Tensor.numpy()``: that marks the storage not resizable for good, and a parked shard
-    (`zerolite.params.tiered_shard`) frees its storage by resizing it."""
-    assert t.device.type == "cpu" and t.is_contiguous()
-    nbytes = t.numel() * t.element_size()
-    if nbytes == 0:
-        return memoryview(b"")
-    return memoryview((ctypes.c_char * nbytes).from_address(t.data_ptr())).cast("B")
 
 
 class HostArena:
