@@ -5,13 +5,14 @@ per feature), on one 4-rank gloo launch.
 Each configuration trains parity's tiny GPT with AdamW for 3 steps of 16 rows and is
 compared twice:
 
-- with its *bitwise* features (offload, async save, whole-tensor ownership on
+- with its *bitwise* features (offload, offload_params, async save, whole-tensor ownership on
   point-to-point collectives) removed (`without_bitwise`): the same losses and parameters,
   bit for bit;
 - with every feature removed (`base`): by the loosest rule of its features.
 
 Each feature is also seen at work, so that one silently dropped in a combination fails:
-the offload tier holds bytes; a quantized run is not its unquantized base bit for bit;
+the offload tier holds bytes; offload_params leaves no shard in memory between steps; a
+quantized run is not its unquantized base bit for bit;
 hybrid has replica groups of 2; native collectives are not point-to-point; an asynchronous
 save taken after step 1 while steps 2-3 ran loads back equal to the parameters at the
 call; clipping clipped.
@@ -44,6 +45,7 @@ from tests.support.memory_accounting import tier_bytes_held
 from tests.support.mixed_recipe import TENSOR_TOL
 from tests.support.rank_reports import guarded
 from zerolite import checkpoint as ckpt
+from zerolite.state.shard_state import state_of
 from zerolite.testing import run_ranks
 
 pytestmark = pytest.mark.numerics  # `make test-kernels` runs it under other CPUs' kernels
@@ -57,12 +59,13 @@ CHUNK = 24  # configurations per launch of the full product (its bases run once 
 
 
 def _zero_config(c: dict, root: Path) -> zerolite.ZeroConfig:
-    if c["offload"] == "disk":
+    disk = "disk" in (c["offload"], c["offload_params"])
+    if disk:
         (root / f"tier-r{dist.get_rank()}").mkdir(parents=True, exist_ok=True)
     return zerolite.ZeroConfig(
         stage=c["stage"], param_dtype=torch.bfloat16 if c["dtype"] == "bf16" else torch.float32,
-        bucket_size_mb=0.01, offload=c["offload"],
-        offload_dir=str(root / f"tier-r{dist.get_rank()}") if c["offload"] == "disk" else None,
+        bucket_size_mb=0.01, offload=c["offload"], offload_params=c["offload_params"],
+        offload_dir=str(root / f"tier-r{dist.get_rank()}") if disk else None,
         partition=c["partition"], shard_group_size=c["hybrid"],
         quantize_gather=c["quantize"] in ("gather", "both"),
         quantize_reduce=c["quantize"] in ("reduce", "both"), collectives=c["collectives"],
@@ -119,7 +122,16 @@ def _run(c: dict, root: Path) -> dict:
     return {"losses": losses, "params": _full(model), "saved": saved,
             "clipped": any(n > CLIP for n in norms), "tier": tier_bytes_held(model),
             "replicas": None if replicas is None else replicas.size,
-            "point_to_point": opt.group.point_to_point}
+            "point_to_point": opt.group.point_to_point, "parked": _parked(model)}
+
+
+def _parked(model) -> bool:
+    """offload_params: between steps the tier holds every shard and memory none."""
+    tier = state_of(model).params_tier
+    if tier is None:
+        return False
+    tier.drain()
+    return tier.capacity > 0 and tier.resident_bytes == 0
 
 
 def _ddp_bound(c: dict) -> float:
@@ -164,6 +176,7 @@ def _problems(c: dict, got: dict, bases: dict, bounds: dict) -> list[str]:
 def _features_at_work(c: dict, got: dict, ref: dict) -> list[str]:
     checks = {
         "tier holds no bytes": c["offload"] is not None and not got["tier"] > 0,
+        "parameter shards not parked": c["offload_params"] is not None and not got["parked"],
         "quantized run is bitwise unquantized": c["quantize"] is not None and all(
             torch.equal(v, ref["params"][k]) for k, v in got["params"].items()),
         "no replica groups of 2": c["hybrid"] is not None and got["replicas"] != 2,

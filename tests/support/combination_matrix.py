@@ -8,7 +8,8 @@ save, collectives) are how zerolite runs it. Each configuration is judged agains
 (`RULES`) says how close the two runs must be:
 
 - ``bitwise``: the feature moves no arithmetic (offload streams the same step through a
-  tier; an asynchronous save copies the state; whole-tensor ownership sums each gradient
+  tier; offload_params parks the same shards there between uses; an asynchronous save
+  copies the state; whole-tensor ownership sums each gradient
   element in rank order, as the flat reduce-scatter does, and AdamW steps elementwise; with
   native collectives the backend's reduce and reduce-scatter add in their own orders, so
   there ownership follows the ``order`` rule; with quantization the int8 blocks run over
@@ -35,6 +36,7 @@ AXES: dict[str, tuple] = {
     "stage": (1, 2, 3),
     "dtype": ("fp32", "bf16"),
     "offload": (None, "host", "disk"),
+    "offload_params": (None, "disk"),  # stage 3 only (REFUSED)
     "partition": ("flat", "tensor"),
     "hybrid": (None, 2),  # shard groups of 2 of the 4 ranks
     "quantize": (None, "gather", "reduce", "both"),
@@ -44,15 +46,19 @@ AXES: dict[str, tuple] = {
     "collectives": ("auto", "native"),
 }
 RECIPE = ("stage", "dtype", "accumulate", "clip")
-DEFAULTS = {"offload": None, "partition": "flat", "hybrid": None, "quantize": None,
-            "async_save": False, "collectives": "auto"}
-RULES = {"offload": "bitwise", "async_save": "bitwise", "partition": "bitwise",
-         "hybrid": "order", "collectives": "order", "quantize": "quantized"}
+DEFAULTS = {"offload": None, "offload_params": None, "partition": "flat", "hybrid": None,
+            "quantize": None, "async_save": False, "collectives": "auto"}
+RULES = {"offload": "bitwise", "offload_params": "bitwise", "async_save": "bitwise",
+         "partition": "bitwise", "hybrid": "order", "collectives": "order",
+         "quantize": "quantized"}
 _LOOSENESS = ("bitwise", "order", "quantized")
 
-# (what is refused, why), as (predicate, reason) pairs: none today. A refusal added to
-# `shard()` must be listed here and in docs/limits.md.
-REFUSED: tuple = ()
+# (what is refused, why), as (predicate, reason) pairs. A refusal added to `shard()` (or
+# to `ZeroConfig`) must be listed here and in docs/limits.md.
+REFUSED: tuple = (
+    (lambda c: c["offload_params"] is not None and c["stage"] != 3,
+     "offload_params below stage 3: every rank holds the whole parameters there"),
+)
 
 
 def accepted(config: dict) -> bool:

@@ -149,19 +149,13 @@ def _breakdown(
         # Whole owned tensors are never cut: a larger one widens its staging buffer.
         whole = max((s.nbytes for s in offload.slots if s.shapes), default=0)
         transient += 3 * min(offload.nbytes, max(whole, chunk_bytes_for(offload.nbytes)))
-    params = held(policy.shards_parameters) * p + frozen_shards
-    grads = held(policy.shards_gradients) * kept_g
-    parked = 0
-    if config.offload_params is not None:  # stage 3's shards on the tier between uses
-        shards = [b.layout.shard_size(rank) for b in buffers]
-        parked = sum(aligned(n * p) + aligned(n * g) for n in shards) + sum(
-            aligned(f.shard_numel * p) for f in frozen)
+    parked = _parked(buffers, frozen, config, rank) if config.offload_params else 0
+    if parked:  # stage 3's shards on the tier between uses
         # The step's bucket (parameter and gradient shard) and the next one, read ahead.
-        transient += 2 * max(shards) * (p + g)
-        params, grads = 0, 0
+        transient += 2 * max(b.layout.shard_size(rank) for b in buffers) * (p + g)
     return MemoryBreakdown(
-        params=params + other,
-        grads=grads + other_grads,
+        params=(0 if parked else held(policy.shards_parameters) * p + frozen_shards) + other,
+        grads=(0 if parked else held(policy.shards_gradients) * kept_g) + other_grads,
         master=master,
         optimizer_state=state,
         transient=transient,
@@ -172,6 +166,16 @@ def _breakdown(
         offloaded=parked + (0 if offload is None else offload.nbytes),
         offload_tier=config.offload or config.offload_params,
     )
+
+
+def _parked(buffers: list[_Buffer], frozen: list[FlatLayout], config: ZeroConfig,
+            rank: int) -> int:
+    """Bytes of ``offload_params``' arena: every parameter and gradient shard, aligned as
+    `zerolite.plan.param_offload` lays them."""
+    p, g = _size(config.param_dtype), _size(config.grad_dtype)
+    shards = [b.layout.shard_size(rank) for b in buffers]
+    return sum(aligned(n * p) + aligned(n * g) for n in shards) + sum(
+        aligned(f.shard_numel * p) for f in frozen)
 
 
 def estimate(
