@@ -81,25 +81,34 @@ def gathered_parameters(model: nn.Module, modifier_rank: int | None = None) -> I
         if scheduler is not None:
             scheduler.pinned -= 1
         if modifier_rank is not None:
-            masters = {id(m.flat): m for m in state.masters}
-            for flat in [*state.flats, *state.frozen_flats]:
-                broadcast(
-                    flat.data,
-                    modifier_rank,
-                    state.group.world,
-                    what="gathered_parameters()'s broadcast of the edits",
-                )
-                lo, hi = flat.layout.shard_range(flat.rank)
-                if not flat.replicated:
-                    with in_memory(flat.tiered, changes=True):  # offload_params: parked
-                        flat.shard.copy_(flat.data[lo:hi])
-                master = masters.get(id(flat))
-                if master is not None and not master.is_view:
-                    master.data.copy_(flat.data[lo:hi])
+            _keep_edits(state, modifier_rank)
         if scheduler is not None and not scheduler.pinned:
             for i in range(len(scheduler.flats)):
                 if i not in was_gathered:
                     scheduler.reshard(i)
+
+
+def _keep_edits(state: ShardState, modifier_rank: int) -> None:
+    """``modifier_rank``'s full parameters, broadcast, into every rank's shards and fp32
+    masters (through the pieces: a 16-bit master offloaded to the tier is written there)."""
+    masters = {id(m.flat): m for m in state.masters}
+    pieces: dict[int, list] = {}
+    for piece in state.pieces():
+        pieces.setdefault(id(piece.flat), []).append(piece)
+    for flat in [*state.flats, *state.frozen_flats]:
+        broadcast(flat.data, modifier_rank, state.group.world,
+                  what="gathered_parameters()'s broadcast of the edits")
+        lo, hi = flat.layout.shard_range(flat.rank)
+        with in_memory(flat.tiered, changes=True):  # offload_params: parked between uses
+            if not flat.replicated:
+                flat.shard.copy_(flat.data[lo:hi])
+            master = masters.get(id(flat))
+            if master is None or master.is_view:
+                continue
+            for piece in pieces.get(id(flat), []):
+                start = lo + piece.span.shard_start
+                values = flat.data[start : start + piece.span.numel].float()
+                piece.write_master(values.reshape(piece.master.shape))
 
 
 @torch.no_grad()

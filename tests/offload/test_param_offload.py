@@ -9,7 +9,10 @@ checkpoint each rank saves: its masters, optimizer state and RNG states):
 - hybrid sharding (``shard_group_size=1``: shard groups of one, replicated);
 - gradient accumulation over two micro-steps (the gradient shard read back and added to);
 - ``clip_grad_norm_`` and ``clip_grad_value_`` every step (they walk the parked shards);
-- a meta-device build, materialised unit by unit onto the tier.
+- a meta-device build, materialised unit by unit onto the tier;
+- ``reshard_after_forward=False`` with activation checkpointing;
+- before training, every run edits its parameters on rank 0 inside
+  ``gathered_parameters(modifier_rank=0)`` and runs a forward without gradients.
 
 Each offloaded run also shows that the shards really left memory: between steps no
 parameter or gradient shard is resident, and during backward no more than the units the
@@ -32,7 +35,7 @@ import zerolite
 from examples.gpt import GPT
 from tests.support import parity
 from zerolite import checkpoint as ckpt
-from zerolite.memory import footprint
+from zerolite.memory import checkpoint_blocks, footprint
 from zerolite.memory.estimate import estimate_sharded
 from zerolite.state.param_tier import reserve_param_tier
 from zerolite.state.shard_state import state_of
@@ -49,6 +52,8 @@ CASES = {  # name -> ZeroConfig keywords beyond stage 3 (the in-memory twin drop
     "bf16-disk-hybrid": dict(param_dtype=torch.bfloat16, offload_params="disk",
                              shard_group_size=1),
     "fp32-disk-meta": dict(param_dtype=torch.float32, offload_params="disk", meta=True),
+    "bf16-disk-kept-checkpointed": dict(param_dtype=torch.bfloat16, offload_params="disk",
+                                        reshard_after_forward=False, checkpointed=True),
 }
 
 
@@ -97,25 +102,37 @@ def _train(model, opt, where: str, label: str) -> dict:
             "measured": measured, "estimated": estimated}
 
 
-def _run(config: zerolite.ZeroConfig, meta: bool, where: str, label: str) -> dict:
+def _run(config: zerolite.ZeroConfig, meta: bool, checkpointed: bool, where: str,
+         label: str) -> dict:
     if meta:  # materialised by shard(), unit by unit (onto the tier with offload_params)
         with torch.device("meta"):
             model = parity.make_model()
     else:
         model = parity.make_model()
+    if checkpointed:
+        checkpoint_blocks(model)
     opt = zerolite.shard(model, parity.make_optimizer("AdamW", model), config)
+    # An edit on rank 0 inside gathered_parameters reaches every rank's (parked) shard.
+    with zerolite.gathered_parameters(model, modifier_rank=0), torch.no_grad():
+        if dist.get_rank() == 0:
+            for p in model.parameters():
+                p.mul_(0.5)
+    with torch.no_grad():  # a forward without gradients (generation's), before training
+        model(*[parity.local_slice(t) for t in parity.batches(1)[0]])
     return _train(model, opt, where, label)
 
 
 def _parity(where: str) -> dict:
     out = {}
     for name, kw in CASES.items():
-        meta = kw.pop("meta", False)
+        kw = dict(kw)
+        meta, checkpointed = kw.pop("meta", False), kw.pop("checkpointed", False)
         if meta:
             kw["init_fn"] = GPT.init_weights
         twin = {k: v for k, v in kw.items() if k != "offload_params"}
-        out[name] = (_run(_config(where, **kw), meta, where, f"{name}-tiered"),
-                     _run(_config(where, **twin), meta, where, f"{name}-plain"))
+        out[name] = tuple(
+            _run(_config(where, **c), meta, checkpointed, where, f"{name}-{tag}")
+            for c, tag in ((kw, "tiered"), (twin, "plain")))
     return out
 
 

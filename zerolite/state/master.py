@@ -83,10 +83,9 @@ class MasterShard:
     @property
     def is_view(self) -> bool:
         """True when the master is the parameter shard itself (fp32 training)."""
-        return (
-            self.data.data_ptr() == self.flat.shard.data_ptr()
-            and self.data.dtype == self.flat.shard.dtype
-        )
+        # Identity, not data pointers: a parked shard's storage may be freed by the tier's
+        # writer thread at any moment ([Note: tier threads]).
+        return self.data is self.flat.shard
 
     def write_back(self) -> None:
         """Cast the updated master into the parameter shard (no-op when it is a view)."""
