@@ -1,7 +1,8 @@
 """`predict_peak` (fake tensors, one rank of a simulated world) against the peak of live
 tensor bytes measured in a real step on real gloo groups (`measure_peak`, through
 `track()`): the example GPT and transformers' GPT-2, stages 1-3, fp32 and bf16,
-accumulation 1 and 4, activation checkpointing on and off, world sizes 1 and 2.
+accumulation 1 and 4, activation checkpointing on and off, world sizes 1 and 2, and stage 3
+with its parameter and gradient shards parked on a host tier (``offload_params``).
 
 benchmarks/peak_prediction.py runs the full table (Llama too, world size 4).
 """
@@ -36,6 +37,8 @@ CASES = {
         dict(model="gpt", stage=2, dtype=BF16, accumulation=4, checkpointing=True),
         dict(model="gpt", stage=3, dtype=F32, accumulation=4, checkpointing=False),
         dict(model="gpt2", stage=3, dtype=BF16, accumulation=1, checkpointing=True),
+        dict(model="gpt", stage=3, dtype=BF16, accumulation=4, checkpointing=False,
+             offload_params="host"),
     ],
     1: [
         dict(model="gpt", stage=1, dtype=BF16, accumulation=4, checkpointing=True),
@@ -46,7 +49,8 @@ CASES = {
 
 def _label(case: dict) -> str:
     return (f"{case['model']} stage {case['stage']} {str(case['dtype'])[6:]} "
-            f"x{case['accumulation']} ckpt={'on' if case['checkpointing'] else 'off'}")
+            f"x{case['accumulation']} ckpt={'on' if case['checkpointing'] else 'off'}"
+            f"{' offload_params' if case.get('offload_params') else ''}")
 
 
 @pytest.mark.parametrize("world_size", sorted(CASES))

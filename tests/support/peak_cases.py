@@ -55,7 +55,8 @@ MODELS = {"gpt": (gpt, gpt_batch), "gpt2": (gpt2, hf_batch), "llama": (llama, hf
 def case_kwargs(case: dict[str, Any]) -> tuple[zerolite.ZeroConfig, dict[str, Any]]:
     """A case (model, stage, dtype, accumulation, checkpointing, micro_batch) as the
     `ZeroConfig` and the keyword arguments `predict_peak` and `measure_peak` share."""
-    config = zerolite.ZeroConfig(stage=case["stage"], param_dtype=case["dtype"])
+    config = zerolite.ZeroConfig(stage=case["stage"], param_dtype=case["dtype"],
+                                 offload_params=case.get("offload_params"))
     kwargs = {
         "micro_batch": case.get("micro_batch", 4),
         "accumulation": case["accumulation"],
