@@ -19,15 +19,20 @@ same arenas the optimizer tier uses, `zerolite.state.arena`).
 
 [Note: tier threads] One reader and one writer thread per tier, so a tensor's reads and
 writes are each in order; a tensor is never read while its own write is pending (`fetch`
-and `read_ahead` wait for it first), and the main thread touches the tensor only after
-`fetch` returned: the threads never race on one tensor.
+waits for it first, `read_ahead` skips it), and the main thread touches the tensor (even its
+data pointer) only after `fetch` returned: the threads never race on one tensor. A parked
+tensor's memory is freed once its write is done; `park` waits while more than
+`WRITES_IN_FLIGHT` writes are queued, so a tier slower than compute holds the main thread
+back instead of letting parked shards pile up in memory.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import weakref
 from collections.abc import Iterator, Sequence
+from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Protocol
 
@@ -36,6 +41,8 @@ import torch
 from zerolite.plan.param_offload import aligned
 
 __all__ = ["Arena", "ShardTier", "TieredTensor", "in_memory", "one_at_a_time"]
+
+WRITES_IN_FLIGHT = 2  # parked shards whose memory may wait for their write at once
 
 
 class Arena(Protocol):
@@ -65,6 +72,10 @@ class ShardTier:
         self.tensors: list[TieredTensor] = []
         # Open `resident` blocks: while > 0, `park` keeps every tensor in memory.
         self.pinned = 0
+        # Writes submitted and maybe not done, oldest first: a tensor's memory is freed only
+        # once its write is done, so when the tier is slower than compute, `park` waits for
+        # the oldest beyond `WRITES_IN_FLIGHT` instead of letting parked shards pile up.
+        self._writes: collections.deque[Future] = collections.deque()
         self.nbytes = 0  # bytes laid out so far (each tensor 64-byte aligned)
         self._threads = (ThreadPoolExecutor(1), ThreadPoolExecutor(1))
         weakref.finalize(self, _shutdown, self._threads)
@@ -89,6 +100,16 @@ class ShardTier:
             tiered.dirty, tiered.zeros = False, True
         tiered.park()
         return tiered
+
+    def written(self, write: Future) -> None:
+        """A write was submitted: wait for the oldest while more than `WRITES_IN_FLIGHT`
+        are queued (its error, if any, surfaces at that tensor's next `settle`)."""
+        self._writes.append(write)
+        while len(self._writes) > WRITES_IN_FLIGHT:
+            oldest = self._writes.popleft()
+            futures.wait([oldest])
+        while self._writes and self._writes[0].done():
+            self._writes.popleft()
 
     @property
     def reader(self) -> ThreadPoolExecutor:
@@ -214,6 +235,7 @@ class TieredTensor:
             return
         self.dirty = False
         self._pending = self.tier.writer.submit(self._write_and_free)
+        self.tier.written(self._pending)
 
     def read_ahead(self) -> None:
         """Start reading the parked values on the reader thread (`fetch` then waits)."""
