@@ -148,6 +148,7 @@ ENV_CASES = {
     "ZEROLITE_OFFLOAD": ("offload", "HOST", "host", None, "nvme"),
     "ZEROLITE_OFFLOAD_DIR": ("offload_dir", "/scratch/zl", "/scratch/zl", "/elsewhere", None),
     "ZEROLITE_OFFLOAD_FRACTION": ("offload_fraction", "0.25", 0.25, 1.0, "1.5"),
+    "ZEROLITE_OFFLOAD_PARAMS": ("offload_params", " Host", "host", None, "nvme"),
     "ZEROLITE_QUANTIZE_GATHER": ("quantize_gather", "yes", True, False, "sometimes"),
     "ZEROLITE_QUANTIZE_REDUCE": ("quantize_reduce", "1", True, False, "2"),
     "ZEROLITE_QUANT_BLOCK": ("quant_block", "128", 128, 64, "8"),
@@ -159,13 +160,19 @@ ENV_CASES = {
 }
 # Texts meaning "unset" for the variables whose default is None.
 ENV_NONE = {"ZEROLITE_PARAM_DTYPE": "none", "ZEROLITE_REDUCE_DTYPE": "none",
-            "ZEROLITE_OFFLOAD": "None",
+            "ZEROLITE_OFFLOAD": "None", "ZEROLITE_OFFLOAD_PARAMS": "none",
             "ZEROLITE_OFFLOAD_DIR": "", "ZEROLITE_SHARD_GROUP_SIZE": "none"}
 
 
-def _clear_env(monkeypatch) -> None:
-    for var in ENV_CASES:
-        monkeypatch.delenv(var, raising=False)
+# What a variable needs from the others to be valid at all (offload_params: stage 3).
+ENV_NEEDS = {"ZEROLITE_OFFLOAD_PARAMS": {"ZEROLITE_STAGE": "3"}}
+
+
+def _clear_env(monkeypatch, var: str | None = None) -> None:
+    for name in ENV_CASES:
+        monkeypatch.delenv(name, raising=False)
+    for name, text in ENV_NEEDS.get(var, {}).items():
+        monkeypatch.setenv(name, text)
 
 
 def test_every_environment_variable_is_documented_and_tested():
@@ -183,7 +190,7 @@ def test_environment_variable_parsing_and_precedence(monkeypatch, var):
     explicit argument beats it, without it the default holds (and is_set says so), and a
     bad text raises a ValueError naming the field and the text."""
     field, text, parsed, explicit, bad = ENV_CASES[var]
-    _clear_env(monkeypatch)
+    _clear_env(monkeypatch, var)
     default = getattr(ZeroConfig(), field)
     assert not ZeroConfig().is_set(field)
     monkeypatch.setenv(var, text)
@@ -273,7 +280,7 @@ def test_env_text_reads_back_as_the_value(monkeypatch, var):
     field, _, parsed, explicit, _ = ENV_CASES[var]
     values = [parsed, explicit] + ([None] if var in ENV_NONE else [])
     for value in values:
-        _clear_env(monkeypatch)
+        _clear_env(monkeypatch, var)
         if field == "offload_dir":
             monkeypatch.setenv("ZEROLITE_OFFLOAD", "none")
         monkeypatch.setenv(var, env_text(value))
