@@ -5,7 +5,8 @@ seed and batches with and without ``offload_params`` and requires them bitwise e
 (losses, every parameter and fp32 master through `full_state_dict`, and every tensor of the
 checkpoint each rank saves: its masters, optimizer state and RNG states):
 
-- fp32 and bf16, disk and host, each also with the optimizer state offloaded (``offload``);
+- fp32, bf16 and fp16 (its overflow check walks the parked shards), disk and host, each
+  also with the optimizer state offloaded (``offload``);
 - hybrid sharding (``shard_group_size=1``: shard groups of one, replicated);
 - gradient accumulation over two micro-steps (the gradient shard read back and added to);
 - ``clip_grad_norm_`` and ``clip_grad_value_`` every step (they walk the parked shards);
@@ -48,6 +49,7 @@ CASES = {  # name -> ZeroConfig keywords beyond stage 3 (the in-memory twin drop
     "fp32-disk": dict(param_dtype=torch.float32, offload_params="disk"),
     "fp32-host+opt": dict(param_dtype=torch.float32, offload_params="host", offload="host"),
     "bf16-host": dict(param_dtype=torch.bfloat16, offload_params="host"),
+    "fp16-disk": dict(param_dtype=torch.float16, offload_params="disk"),  # overflow checks
     "bf16-disk+opt": dict(param_dtype=torch.bfloat16, offload_params="disk", offload="disk"),
     "bf16-disk-hybrid": dict(param_dtype=torch.bfloat16, offload_params="disk",
                              shard_group_size=1),
