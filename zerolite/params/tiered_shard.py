@@ -85,7 +85,7 @@ class ShardTier:
         park it (``zeros``: its values are zeros, nothing is written).
 
         Raises:
-            ValueError: the arena was reserved for less (a layout `size_of` did not count).
+            ValueError: the arena was reserved for less (`param_tier_bytes` did not count it).
         """
         offset = self.nbytes
         self.nbytes += aligned(tensor.numel() * tensor.element_size())
