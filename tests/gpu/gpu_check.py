@@ -6,7 +6,8 @@ Run from the repository root by the Python that has a CUDA torch (on the lent GP
 its plain ``python3``: nothing is installed, the package is imported from the tree). Steps,
 each a row group of the table:
 
-1. ``pytest -m cuda tests``: ``tests/gpu/test_cuda.py`` and ``tests/gpu/test_cuda_paths.py`` (world
+1. ``pytest -m cuda tests``: ``tests/gpu/test_cuda.py``, ``tests/gpu/test_cuda_paths.py`` and
+   ``tests/gpu/test_cuda_param_offload.py`` (world
    size 1 on NCCL; world size 2 with gloo over CUDA tensors on the one GPU), one row per
    test from pytest's JUnit XML, their measurements in ``pytest.log``;
 2. ``benchmarks/step_time.py --device cuda --world-size 1 --rounds 1``: ``step_time.txt``;
