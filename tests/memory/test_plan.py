@@ -107,7 +107,7 @@ def test_plan_searches_partial_offload_and_hybrid_sharding(capsys, tmp_path):
                  "tests.support.peak_cases:gpt_batch", "--world-size", "4", "--batch", "4",
                  "--stages", "3", "--param-dtypes", "fp32", "--checkpointing", "off",
                  "--offload", "none,disk", "--offload-fractions", "1,0.5",
-                 "--offload-dir", str(tmp_path),
+                 "--offload-params", "none", "--offload-dir", str(tmp_path),
                  "--memory", str(budget), "--json"])
     entries = json.loads(capsys.readouterr().out)
     # Without offload both fit, so the disk tier, which costs more, is not predicted.
@@ -119,14 +119,38 @@ def test_plan_searches_partial_offload_and_hybrid_sharding(capsys, tmp_path):
     assert pick["communication_bytes"] < plain["communication_bytes"]
     model_fn, batch_fn = MODELS["gpt"]
     disk = plan(model_fn, batch_fn, 4, budget, 4, stages=[3], param_dtypes=[torch.float32],
-                offloads=["disk"], offload_fractions=[1, 0.5], checkpointing=[False],
-                shard_group_sizes=[4], offload_dir=str(tmp_path), exhaustive=True)
+                offloads=["disk"], offload_fractions=[1, 0.5], offload_params=[None],
+                checkpointing=[False], shard_group_sizes=[4], offload_dir=str(tmp_path),
+                exhaustive=True)
     assert [e.config.get("offload_fraction", 1.0) for e in disk] == [0.5, 1.0]
     assert 0 < disk[0].offloaded_bytes < disk[1].offloaded_bytes
     measured = max(run_ranks(_train, 4, pick))
     assert measured <= budget
     # test_predict_peak.py's TOLERANCE (the promised bound; byte-exact on this CPU).
     assert abs(measured - pick["peak_bytes"]) <= TOLERANCE * measured, (measured, pick)
+
+
+def test_plan_parks_parameters_only_where_nothing_else_fits(tmp_path):
+    """A budget between the least peak without ``offload_params`` and the least with it: the
+    pick parks the parameters (the costliest kind, [Note: plan cost]), and trains under the
+    budget; with room for both, the plan without it is the pick."""
+    model_fn, batch_fn = MODELS["gpt"]
+    search = dict(stages=[3], param_dtypes=[torch.float32], offloads=[None, "disk"],
+                  offload_params=[None, "disk"], offload_fractions=[1.0], checkpointing=[False],
+                  shard_group_sizes=[4], offload_dir=str(tmp_path))
+    every = plan(model_fn, batch_fn, 4, 1 << 40, 1, exhaustive=True, **search)
+    parked = min(e.peak_bytes for e in every if e.config.get("offload_params"))
+    resident = min(e.peak_bytes for e in every if not e.config.get("offload_params"))
+    assert parked < resident, (parked, resident)
+    assert "offload_params" not in every[0].config  # room for both: the cheaper kind
+    budget = (parked + resident) // 2
+    entries = plan(model_fn, batch_fn, 4, budget, 1, **search)
+    pick = entries[0]
+    assert pick.fits and pick.config["offload_params"] == "disk", entries
+    assert all(not e.fits for e in entries if not e.config.get("offload_params"))
+    measured = max(run_ranks(_train, 4, pick.to_json()))
+    assert measured <= budget
+    assert abs(measured - pick.peak_bytes) <= TOLERANCE * measured, (measured, pick)
 
 
 @pytest.mark.parametrize(

@@ -1,7 +1,8 @@
 """`plan`: the configurations that fit a memory budget, cheapest first.
 
 For each combination of stage, ``param_dtype``, offload tier and the fraction offloaded,
-activation checkpointing and shard group size (hybrid sharding: sharded within groups of
+the tier of stage 3's parameter and gradient shards (``offload_params``), activation
+checkpointing and shard group size (hybrid sharding: sharded within groups of
 k ranks, replicated across the ``world_size / k`` groups; k = ``world_size`` is plain
 sharding), `predict_peak` is asked for the largest micro-batch (``batch``, then halves of
 it) whose step fits ``memory``; the rest of ``batch`` is gradient accumulation. A combination with
@@ -28,9 +29,11 @@ whole search would make:
 [Note: plan cost] Configurations that fit are ordered by what their step costs beyond
 the same arithmetic, most expensive kinds first:
 
-1. offload: the step streams the optimizer state through the device every step (none,
-   then host, then disk); within a tier, fewer bytes offloaded (`PeakPrediction.offloaded`)
-   first: a partial offload (``offload_fraction`` < 1) streams less than a full one;
+1. offload: parameters on a tier (``offload_params``, stage 3) first, since every gather
+   and the step read them back (none, then host, then disk); then the optimizer's tier,
+   which the step streams through the device every step (none, then host, then disk);
+   within those, fewer bytes offloaded (`PeakPrediction.offloaded`) first: a partial
+   offload (``offload_fraction`` < 1) streams less than a full one;
 2. activation checkpointing: every forward runs twice (off before on);
 3. bytes this rank sends per optimizer step (`PeakPrediction.communication_bytes`:
    stage 2 and 3, and fp32 parameters, send more). Hybrid sharding is counted the same
@@ -76,6 +79,7 @@ def plan(
     stages: Sequence[int] = (1, 2, 3),
     param_dtypes: Sequence[torch.dtype] = (torch.float32, torch.bfloat16),
     offloads: Sequence[str | None] = (None, "host", "disk"),
+    offload_params: Sequence[str | None] = (None, "disk"),
     checkpointing: Sequence[bool] = (False, True),
     offload_fractions: Sequence[float] = (0.5, 1.0),
     shard_group_sizes: Sequence[int] | None = None,
@@ -100,6 +104,8 @@ def plan(
         stages: the stages searched.
         param_dtypes: the parameter dtypes searched.
         offloads: the offload tiers searched (None: no offload).
+        offload_params: the tiers of stage 3's parameter and gradient shards searched
+            (``ZeroConfig.offload_params``; None: in memory); stages 1-2 search None only.
         checkpointing: the activation checkpointing settings searched.
         offload_fractions: the ``offload_fraction``s searched for each offload tier, each
             in (0, 1].
@@ -122,9 +128,9 @@ def plan(
             (0, 1], a group size that does not divide ``world_size``, or `predict_peak`'s
             own.
     """
-    candidates = _candidates(world_size, memory, batch, stages, param_dtypes, offloads,
-                             checkpointing, offload_fractions, shard_group_sizes,
-                             offload_dir or tempfile.gettempdir())
+    candidates = _candidates(world_size, memory, batch, stages, param_dtypes,
+                             (offloads, offload_params), checkpointing, offload_fractions,
+                             shard_group_sizes, offload_dir or tempfile.gettempdir())
     base = ZeroConfig() if base is None else base
 
     def direct(kw: dict[str, Any], m: int, a: int, c: bool) -> PeakPrediction:
@@ -150,7 +156,8 @@ def plan(
 
 def _candidates(
     world_size: int, memory: int, batch: int, stages: Sequence[int],
-    param_dtypes: Sequence[torch.dtype], offloads: Sequence[str | None],
+    param_dtypes: Sequence[torch.dtype],
+    tiers_searched: tuple[Sequence[str | None], Sequence[str | None]],
     checkpointing: Sequence[bool], offload_fractions: Sequence[float],
     shard_group_sizes: Sequence[int] | None, disk_dir: str,
 ) -> list[Candidate]:
@@ -158,17 +165,20 @@ def _candidates(
     for name, value in (("world_size", world_size), ("memory", memory), ("batch", batch)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"plan(): {name} must be an int >= 1, got {value!r}")
+    offloads, offload_params = tiers_searched
     groups = _group_sizes(world_size, shard_group_sizes)
     tiers = _tiers(offloads, offload_fractions)
-    combos = [(s, d, o, c, k) for s in stages for d in param_dtypes for o in tiers
-              for c in checkpointing for k in groups]
-    if not combos:
+    parked = list(dict.fromkeys(offload_params))
+    combos = [(s, d, o, p, c, k) for s in stages for d in param_dtypes for o in tiers
+              for p in (parked if s == 3 else [None]) for c in checkpointing for k in groups]
+    if not combos or not parked:
         raise ValueError("plan(): nothing to search: stages, param_dtypes, offloads, "
-                         "checkpointing and shard_group_sizes each need at least one value")
+                         "offload_params, checkpointing and shard_group_sizes each need at "
+                         "least one value")
     return [
-        (_kwargs(stage, dtype, offload, fraction, None if k == world_size else k, disk_dir),
-         ckpt)
-        for stage, dtype, (offload, fraction), ckpt, k in combos
+        (_kwargs(stage, dtype, (offload, fraction, params), None if k == world_size else k,
+                 disk_dir), ckpt)
+        for stage, dtype, (offload, fraction), params, ckpt, k in combos
     ]
 
 
@@ -181,14 +191,18 @@ def _config(base: ZeroConfig, kwargs: dict[str, Any]) -> ZeroConfig | None:
         return None
 
 
-def _kwargs(stage: int, dtype: torch.dtype, offload: str | None, fraction: float,
+def _kwargs(stage: int, dtype: torch.dtype, tiers: tuple[str | None, float, str | None],
             group: int | None, disk_dir: str) -> dict[str, Any]:
     """One combination's `ZeroConfig` keyword arguments, defaults left out (the line
-    `PlanEntry.zero_config_line` prints stays short)."""
+    `PlanEntry.zero_config_line` prints stays short); ``tiers``: the optimizer's tier, its
+    fraction and the parameters' tier."""
+    offload, fraction, params = tiers
     kwargs: dict[str, Any] = {"stage": stage, "param_dtype": dtype}
     if offload is not None:
         kwargs["offload"] = offload
-    if offload == "disk":
+    if params is not None:
+        kwargs["offload_params"] = params
+    if "disk" in (offload, params):
         kwargs["offload_dir"] = disk_dir
     if fraction != 1.0:
         kwargs["offload_fraction"] = fraction

@@ -102,6 +102,9 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
                         help="parameter dtypes to consider: fp32,bf16,fp16 (default fp32,bf16)")
     parser.add_argument("--offload", type=_choices(_OFFLOADS), default=[None, "host", "disk"],
                         help="offload tiers to consider: none,host,disk (default all)")
+    parser.add_argument("--offload-params", type=_choices(_OFFLOADS), default=[None, "disk"],
+                        help="stage 3: tiers of the parameter and gradient shards to consider: "
+                             "none,host,disk (default none,disk)")
     parser.add_argument("--offload-fractions", type=_list_of(float, "fractions in (0, 1]"),
                         default=[0.5, 1.0],
                         help="offload_fraction values for each offload tier (default 0.5,1)")
@@ -133,7 +136,9 @@ def _row(e: PlanEntry) -> str:
 def _offload(config: dict[str, Any]) -> str:
     tier = config.get("offload")
     fraction = config.get("offload_fraction", 1.0)
-    return "none" if tier is None else tier if fraction == 1.0 else f"{tier} x{fraction:g}"
+    text = "none" if tier is None else tier if fraction == 1.0 else f"{tier} x{fraction:g}"
+    params = config.get("offload_params")
+    return text if params is None else f"{text}+params {params}"
 
 
 def run_plan(args: argparse.Namespace) -> int:
@@ -141,7 +146,8 @@ def run_plan(args: argparse.Namespace) -> int:
     batch_fn = load_function(args.inputs, "--inputs")
     entries = plan(
         model_fn, batch_fn, args.world_size, args.memory, args.batch, stages=args.stages,
-        param_dtypes=args.param_dtypes, offloads=args.offload, checkpointing=args.checkpointing,
+        param_dtypes=args.param_dtypes, offloads=args.offload,
+        offload_params=args.offload_params, checkpointing=args.checkpointing,
         offload_fractions=args.offload_fractions, shard_group_sizes=args.shard_group_sizes,
         offload_dir=args.offload_dir, device=args.device,
     )

@@ -7,9 +7,16 @@ from typing import Any
 
 import torch
 
-__all__ = ["OFFLOAD_ORDER", "PlanEntry"]
+__all__ = ["OFFLOAD_ORDER", "PlanEntry", "tier_order"]
 
 OFFLOAD_ORDER = {None: 0, "host": 1, "disk": 2}
+
+
+def tier_order(config: dict[str, Any]) -> tuple[int, int]:
+    """The first keys of [Note: plan cost] for `ZeroConfig` keyword arguments ``config``:
+    the parameter tier (``offload_params``: every gather and the step read the shards
+    back), then the optimizer's (``offload``), each none, then host, then disk."""
+    return OFFLOAD_ORDER[config.get("offload_params")], OFFLOAD_ORDER[config.get("offload")]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +65,6 @@ class PlanEntry:
 
     def cost(self) -> tuple:
         """Smaller is cheaper ([Note: plan cost] in `zerolite.memory.budget`)."""
-        return (OFFLOAD_ORDER[self.config.get("offload")], self.offloaded_bytes,
+        return (*tier_order(self.config), self.offloaded_bytes,
                 self.activation_checkpointing, self.communication_bytes, self.accumulation,
                 self.config["stage"])

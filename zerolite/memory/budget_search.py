@@ -10,7 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 from zerolite.memory.budget_bounds import StateBound
-from zerolite.memory.budget_entry import OFFLOAD_ORDER, PlanEntry
+from zerolite.memory.budget_entry import PlanEntry, tier_order
 from zerolite.memory.peak_report import PeakPrediction, human_bytes
 
 __all__ = ["Candidate", "SKIPPED", "pruned", "search"]
@@ -127,8 +127,8 @@ def pruned(
         (kwargs, ckpt), bound = candidates[i], bounds[i]
         tier = kwargs.get("offload")
         if tier is not None and tier in unknown:  # no bytes to order by: the whole tier
-            return (OFFLOAD_ORDER[tier], 0, False)
-        return (OFFLOAD_ORDER[tier], 0 if bound is None else bound.offloaded, ckpt)
+            return (*tier_order(kwargs), 0, False)
+        return (*tier_order(kwargs), 0 if bound is None else bound.offloaded, ckpt)
 
     floors = _ActivationFloors(predict)
     fitting: PlanEntry | None = None
@@ -148,7 +148,25 @@ def pruned(
         if fitting is None and fits and _ordered_as_bounded(entries, bounds, traced):
             fitting = min(fits, key=PlanEntry.cost)
     assert all(e is not None for e in entries)
+    if not any(e.fits for e in entries if e is not None):
+        _predict_least_over(entries, candidates, memory, batch, floors.predict)
     return entries  # type: ignore[return-value]
+
+
+def _predict_least_over(
+    entries: list[PlanEntry | None], candidates: list[Candidate], memory: int, batch: int,
+    predict: Predict,
+) -> None:
+    """Nothing fits: the first entry `plan` lists is the least over the budget, so it must
+    be a prediction, not a bound. While the least is a bound (a lower bound of its peak:
+    its model states, or its floor), predict that one (in place) and look again."""
+    while True:
+        least = min(range(len(entries)), key=lambda i: entries[i].peak_bytes)  # type: ignore[union-attr]
+        reason = entries[least].reason or ""  # type: ignore[union-attr]
+        if "(not predicted" not in reason:
+            return
+        kwargs, ckpt = candidates[least]
+        entries[least] = search(memory, batch, kwargs, ckpt, predict, pruned=True)
 
 
 class _ActivationFloors:
