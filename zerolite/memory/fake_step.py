@@ -42,7 +42,7 @@ __all__ = ["fake_step"]
 _aten = torch.ops.aten
 _REAL_LIMIT = 16 << 20  # bytes: integer and bool CPU tensors up to this size stay real
 _DEVICE = torch.ops.prim.device.default
-# [Note: dispatch cost]: False dispatches as the plain fake mode does (what
+# False: dispatch as the plain fake mode does ([Note: dispatch cost]; what
 # tests/memory/test_prediction_shortcuts.py holds the shortcuts against).
 SHORTCUTS = True
 
@@ -183,7 +183,7 @@ class _LedgerMode(FakeTensorMode):
         return out
 
 
-# [Note: dispatch cost] the guard `TorchDispatchMode.__init_subclass__` put around it.
+# Without the guard `TorchDispatchMode.__init_subclass__` put around it ([Note: dispatch cost]).
 _LedgerMode.__torch_dispatch__ = inspect.unwrap(  # type: ignore[method-assign]
     _LedgerMode.__dict__["__torch_dispatch__"]
 )
