@@ -45,6 +45,8 @@ _DEVICE = torch.ops.prim.device.default
 # False: dispatch as the plain fake mode does ([Note: dispatch cost]; what
 # tests/memory/test_prediction_shortcuts.py holds the shortcuts against).
 SHORTCUTS = True
+# `torch.profiler.record_function`'s entry: no tensor in or out, a handle the exit takes.
+_PROFILER_ENTER = torch.ops.profiler._record_function_enter_new.default
 
 
 def _tensors(value: Any, out: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -98,7 +100,9 @@ class _LedgerMode(FakeTensorMode):
 
     - ``prim.device`` (every ``.device`` of a fake tensor, over half of all dispatches)
       is answered first, as the fake mode's own handler answers it: no storage comes
-      of it;
+      of it; so is `torch.profiler.record_function`'s entry (zerolite marks each
+      exchange with one), run as it runs outside the mode: no tensor goes in or out,
+      and the fake mode would take it on its slowest path;
     - the fake mode is entered through its ``dispatch``, and this class's
       ``__torch_dispatch__`` is unwrapped from the "no torch.compile here" guard a
       dispatch mode gets (nothing here is compiled);
@@ -166,6 +170,9 @@ class _LedgerMode(FakeTensorMode):
                 super()._prep_args_for_hash(result, (arg,), state, id_hashed_objects)
 
     def _run(self, func: Any, types: Any, args: Any, kwargs: Any) -> Any:
+        if func is _PROFILER_ENTER and self._shortcuts:
+            with _disable_current_modes():
+                return func(*args, **kwargs)
         tensors = _tensors(kwargs, _tensors(args, []))
         if tensors and all(_stays_real(t) for t in tensors):
             with _disable_current_modes():
