@@ -45,6 +45,9 @@ _DEVICE = torch.ops.prim.device.default
 # False: dispatch as the plain fake mode does ([Note: dispatch cost]; what
 # tests/memory/test_prediction_shortcuts.py holds the shortcuts against).
 SHORTCUTS = True
+# Argument types torch's cache key takes as they are: their type, then the value.
+_PLAIN = frozenset({int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout,
+                    torch.memory_format})
 # `torch.profiler.record_function`'s entry: no tensor in or out, a handle the exit takes.
 _PROFILER_ENTER = torch.ops.profiler._record_function_enter_new.default
 
@@ -150,25 +153,6 @@ class _LedgerMode(FakeTensorMode):
         except DataDependentOutputException:
             return _zero_of(func)
 
-    def _prep_args_for_hash(self, result: list, args: Any, state: Any,
-                            id_hashed_objects: list) -> None:
-        """The dispatch cache key's part for ``args`` ([Note: dispatch cost]): torch's,
-        but a plain fake tensor of this mode is one `_fake_key` tuple."""
-        if isinstance(args, dict) or not self._shortcuts:
-            super()._prep_args_for_hash(result, args, state, id_hashed_objects)
-            return
-        if isinstance(args, (list, tuple)):
-            result.append(type(args))
-            result.append(f"length_{len(args)}")
-        for arg in args:
-            if type(arg) is FakeTensor and arg.fake_mode is self and arg.constant is None \
-                    and arg.layout is torch.strided:
-                result.append(_fake_key(arg))
-            elif isinstance(arg, (list, tuple, dict)):
-                self._prep_args_for_hash(result, arg, state, id_hashed_objects)
-            else:
-                super()._prep_args_for_hash(result, (arg,), state, id_hashed_objects)
-
     def _run(self, func: Any, types: Any, args: Any, kwargs: Any) -> Any:
         if func is _PROFILER_ENTER and self._shortcuts:
             with _disable_current_modes():
@@ -194,6 +178,40 @@ class _LedgerMode(FakeTensorMode):
 _LedgerMode.__torch_dispatch__ = inspect.unwrap(  # type: ignore[method-assign]
     _LedgerMode.__dict__["__torch_dispatch__"]
 )
+
+
+def _prep_args_for_hash(self: _LedgerMode, result: list, args: Any, state: Any,
+                        id_hashed_objects: list) -> None:
+    """The dispatch cache key's part for ``args`` ([Note: dispatch cost]): torch's, but a
+    plain fake tensor of this mode is one `_fake_key` tuple, and a plain scalar is put
+    as torch puts it (its type, then itself) without torch's chain of type tests."""
+    base = FakeTensorMode._prep_args_for_hash
+    if isinstance(args, dict) or not self._shortcuts:
+        base(self, result, args, state, id_hashed_objects)
+        return
+    if isinstance(args, (list, tuple)):
+        result.append(type(args))
+        result.append(f"length_{len(args)}")
+    for arg in args:
+        kind = type(arg)
+        if kind is FakeTensor and arg.fake_mode is self and arg.constant is None \
+                and arg.layout is torch.strided:
+            result.append(_fake_key(arg))
+        elif kind in _PLAIN:
+            result.append(kind)
+            result.append(arg)
+        elif kind is list or kind is tuple:
+            _prep_args_for_hash(self, result, arg, state, id_hashed_objects)
+        else:
+            base(self, result, (arg,), state, id_hashed_objects)
+
+
+# torch's key builder takes (result, args, state, id_hashed_objects) since 2.5; where it
+# does not, the key stays torch's own.
+if list(inspect.signature(FakeTensorMode._prep_args_for_hash).parameters) == [
+    "self", "result", "args", "state", "id_hashed_objects"
+]:
+    _LedgerMode._prep_args_for_hash = _prep_args_for_hash  # type: ignore[method-assign]
 
 
 def _fake_key(t: FakeTensor) -> tuple:
