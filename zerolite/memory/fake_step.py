@@ -31,7 +31,12 @@ from concurrent.futures import Executor, Future
 from typing import Any
 
 import torch
-from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensor, FakeTensorMode
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    FakeTensor,
+    FakeTensorMode,
+    in_kernel_invocation_manager,
+)
 from torch.utils._python_dispatch import _disable_current_modes
 
 from zerolite.memory.ledger import StorageLedger
@@ -111,7 +116,8 @@ class _LedgerMode(FakeTensorMode):
       dispatch mode gets (nothing here is compiled);
     - the dispatch cache's key of a plain fake tensor is one tuple of what torch's key
       holds (`_fake_key`), built directly instead of through its metadata record: a key
-      as fine as torch's or finer, so a cached output is the one the op would make.
+      as fine as torch's or finer, so a cached output is the one the op would make; and
+      a cache hit's output is made as torch makes it, in one step (`_output_tensor`).
 
     Only `SHORTCUTS` at construction turns them on (the guard is off either way).
     """
@@ -206,12 +212,35 @@ def _prep_args_for_hash(self: _LedgerMode, result: list, args: Any, state: Any,
             base(self, result, (arg,), state, id_hashed_objects)
 
 
-# torch's key builder takes (result, args, state, id_hashed_objects) since 2.5; where it
-# does not, the key stays torch's own.
+def _output_tensor(self: _LedgerMode, state: Any, entry: Any, key: Any, func: Any,
+                   args: Any) -> Any:
+    """A cache hit's output tensor ([Note: dispatch cost]): torch's, made in one step
+    for the common case -- a new dense tensor or a view of an argument, of plain integer
+    sizes, neither conjugate nor negative -- and by torch otherwise."""
+    meta = entry.metadata
+    if (not self._shortcuts or self.shape_env is not None or entry.inplace_idx is not None
+            or meta is None or meta.layout is not torch.strided or meta.is_conj
+            or meta.is_neg or type(meta.storage_offset) is not int
+            or not all(type(n) is int for n in (*meta.shape, *meta.stride))):
+        return FakeTensorMode._get_output_tensor_from_cache_entry(self, state, entry, key,
+                                                                  func, args)
+    with in_kernel_invocation_manager(self):
+        empty = torch.empty_strided(meta.shape, meta.stride, dtype=meta.dtype, device="meta",
+                                    requires_grad=meta.requires_grad)
+        if isinstance(func, torch._ops.OpOverload) and func.is_view:
+            # a view shares its argument's storage
+            empty.set_(args[entry.view_idx].untyped_storage(), meta.storage_offset,
+                       meta.shape, meta.stride)
+    return FakeTensor(self, empty, meta.device)
+
+
+# torch's key builder takes (result, args, state, id_hashed_objects) since 2.5 and its
+# cache entries hold this metadata; where they do not, the key and outputs stay torch's.
 if list(inspect.signature(FakeTensorMode._prep_args_for_hash).parameters) == [
     "self", "result", "args", "state", "id_hashed_objects"
 ]:
     _LedgerMode._prep_args_for_hash = _prep_args_for_hash  # type: ignore[method-assign]
+    _LedgerMode._get_output_tensor_from_cache_entry = _output_tensor  # type: ignore[method-assign]
 
 
 def _fake_key(t: FakeTensor) -> tuple:
