@@ -234,8 +234,8 @@ def _output_tensor(self: _LedgerMode, state: Any, entry: Any, key: Any, func: An
     return FakeTensor(self, empty, meta.device)
 
 
-# torch's key builder takes (result, args, state, id_hashed_objects) since 2.5 and its
-# cache entries hold this metadata; where they do not, the key and outputs stay torch's.
+# torch's key builder takes (result, args, state, id_hashed_objects) on the torch zerolite is
+# tested with (and its cache entries this metadata); where not, key and outputs stay torch's.
 if list(inspect.signature(FakeTensorMode._prep_args_for_hash).parameters) == [
     "self", "result", "args", "state", "id_hashed_objects"
 ]:
