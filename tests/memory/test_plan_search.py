@@ -2,9 +2,10 @@
 same run: the same pick at budgets on both sides of each pick's peak and where nothing
 fits; every entry it predicted equal to the exhaustive entry; every entry it rejected
 without a prediction over the budget in the exhaustive search too, by at least the bound
-it gave; every entry it skipped no cheaper than the pick. And `predict_peak`'s shortened
-accumulation against simulating every micro-step, and offload fractions with one
-offload plan against predicting each.
+it gave; every entry it skipped no cheaper than the pick; with checkpointing searched too,
+where the optimizer step of a configuration rejects it ([Note: step floor]). And
+`predict_peak`'s shortened accumulation against simulating every micro-step, and offload
+fractions with one offload plan against predicting each.
 
 A tiny GPT keeps each prediction near a third of a second; the search covers stages 1
 and 3, no offload and a disk tier, at 2 ranks and a batch of 2 (micro-batches 2 and 1).
@@ -39,20 +40,29 @@ SEARCH = dict(stages=(1, 3), param_dtypes=(torch.float32,), offloads=(None, "dis
               offload_fractions=(1.0,), checkpointing=(False,))
 
 
-def _plan(memory: int, tmp_path, exhaustive: bool) -> list:
+def _plan(memory: int, tmp_path, exhaustive: bool, search: dict) -> list:
     return plan(tiny, tiny_batch, 2, memory, 2, offload_dir=str(tmp_path),
-                exhaustive=exhaustive, **SEARCH)
+                exhaustive=exhaustive, **search)
 
 
 def _key(entry) -> tuple:
     return (tuple(sorted(entry.config.items(), key=str)), entry.activation_checkpointing)
 
 
-def _check(memory: int, tmp_path) -> list:
-    """Both searches at ``memory``; the exhaustive entries."""
-    full, fast = _plan(memory, tmp_path, True), _plan(memory, tmp_path, False)
+def _check(memory: int, tmp_path, search: dict = SEARCH, reasons: list | None = None,
+           first_rejection: bool = True) -> list:
+    """Both searches at ``memory``; the exhaustive entries (the pruned search's reasons
+    are appended to ``reasons``). Where nothing fits, the first entries are the same
+    rejection only if ``first_rejection``: an entry rejected unpredicted is ordered by
+    its bound, which may be under its peak."""
+    full = _plan(memory, tmp_path, True, search)
+    fast = _plan(memory, tmp_path, False, search)
+    if reasons is not None:
+        reasons += [e.reason for e in fast if e.reason]
     assert len(full) == len(fast)
-    assert full[0] == fast[0], (memory, full[0], fast[0])
+    if first_rejection or full[0].fits:
+        assert full[0] == fast[0], (memory, full[0], fast[0])
+    assert not fast[0].fits or full[0].fits
     by_key = {_key(e): e for e in full}
     for entry in fast:
         same = by_key[_key(entry)]
@@ -79,6 +89,22 @@ def test_pruned_search_picks_what_the_exhaustive_search_picks(tmp_path):
     assert len(set(fitting)) == len(fitting) >= 2, picks
     if picks[-1].fits:
         assert not _check(min(e.peak_bytes for e in roomy) // 4, tmp_path)[0].fits
+
+
+def test_step_floor_rejects_only_what_the_exhaustive_search_rejects(tmp_path):
+    """[Note: step floor]: with checkpointing searched, a combination whose optimizer step
+    (predicted without checkpointing) is over the budget is rejected unpredicted; the
+    pick is the exhaustive search's at budgets just under the step peaks and each pick's
+    peak."""
+    search = dict(SEARCH, offloads=(None,), checkpointing=(False, True))
+    steps = [predict_peak(tiny, tiny_batch, zerolite.ZeroConfig(stage=stage), 2,
+                          micro_batch=1, accumulation=2).by_phase["step"] for stage in (1, 3)]
+    reasons: list[str] = []
+    picks = [_check(1 << 30, tmp_path, search, reasons)[0]]
+    for memory in sorted({*(n - 1 for n in steps), picks[0].peak_bytes - 1}, reverse=True):
+        picks.append(_check(memory, tmp_path, search, reasons, first_rejection=False)[0])
+    assert any("its optimizer step" in r for r in reasons), reasons
+    assert picks[0].fits and not all(p.fits for p in picks), picks
 
 
 @pytest.mark.parametrize("config", [

@@ -14,7 +14,9 @@ whole search would make:
 - one whose model states alone are over the budget ([Note: plan bounds]) is rejected
   by that arithmetic, and one whose lasting model states plus the activations another
   prediction of the same dtype, micro-batch and checkpointing held are over it
-  ([Note: activation floor] in `zerolite.memory.budget_search`) too;
+  ([Note: activation floor] in `zerolite.memory.budget_search`) too, and one whose
+  optimizer step, as a prediction of the same configuration with checkpointing off or at
+  a smaller micro-batch found it, is over it ([Note: step floor] there);
 - the rest are predicted in groups of equal leading cost keys (offload tier, bytes
   offloaded, activation checkpointing: [Note: plan cost]); once a group holds one that
   fits, every later group costs more, so it is listed as skipped, not predicted;

@@ -20,6 +20,7 @@ Predict = Callable[[dict[str, Any], int, int, bool], PeakPrediction]
 SKIPPED = "skipped"
 _AT_FLOOR = "needs at least"
 Candidate = tuple[dict[str, Any], bool]  # ZeroConfig keyword arguments, checkpointing
+Floor = tuple[int, str]  # a lower bound of a peak, bytes; what it is made of
 
 
 def _micro_batches(batch: int) -> list[int]:
@@ -34,7 +35,7 @@ def _micro_batches(batch: int) -> list[int]:
 
 def search(
     memory: int, batch: int, kwargs: dict[str, Any], ckpt: bool, predict: Predict,
-    *, pruned: bool = False, floor: Callable[[int], int | None] = lambda micro: None,
+    *, pruned: bool = False, floor: Callable[[int], Floor | None] = lambda micro: None,
 ) -> PlanEntry:
     """The largest micro-batch of one combination that fits, or the rejection.
 
@@ -42,16 +43,17 @@ def search(
     smaller is left: one prediction rejects), then the halves in between, largest first.
     ``pruned``: 1 first (most combinations searched are rejected, by that one
     prediction), then the whole batch, then bisection; a micro-batch whose ``floor`` (a
-    lower bound of its peak, or None) is over the budget is over without a prediction."""
+    lower bound of its peak and what it is made of, or None) is over the budget is over
+    without a prediction."""
     sizes = _micro_batches(batch)
     tried: dict[int, PeakPrediction] = {}
-    floors: dict[int, int] = {}
+    floors: dict[int, Floor] = {}
     asked: list[int] = []
 
     def over(i: int) -> bool:
         micro = sizes[i]
         least = floor(micro)
-        if least is not None and least > memory:
+        if least is not None and least[0] > memory:
             floors[micro] = least
             return True
         asked.append(micro)
@@ -176,28 +178,49 @@ class _ActivationFloors:
     same three holds them at some moment of its step, on top of what it holds at every
     moment (`StateBound.persistent`: parameters, masters, optimizer state, a resident
     arena), so that sum is a lower bound of its peak, and of its peak at any larger
-    micro-batch."""
+    micro-batch.
+
+    [Note: step floor] Each prediction's peak of the ``"step"`` phase is kept too, per
+    configuration (its `ZeroConfig` keyword arguments) and micro-batch. That phase is
+    ``opt.step()`` and ``zero_grad()`` on what the rank holds once the last backward is
+    done -- parameters, gradient buffers, masters, optimizer state and the 0-dim loss,
+    the autograd graph gone -- and the next step's first batch, made in it: the same
+    storages and the same code at every checkpointing setting and micro-batch but for
+    that batch, which grows with the micro-batch. So the same configuration's step phase
+    reaches that peak at least, with checkpointing on or off, at that micro-batch and
+    every larger one: a lower bound of its peak there."""
 
     def __init__(self, predict: Predict) -> None:
         self._predict = predict
         self._seen: dict[tuple, int] = {}
+        self._steps: dict[tuple, int] = {}  # (configuration, micro-batch) -> step peak
 
     def predict(self, kwargs: dict[str, Any], micro: int, accumulation: int,
                 ckpt: bool) -> PeakPrediction:
         p = self._predict(kwargs, micro, accumulation, ckpt)
         key = (kwargs["param_dtype"], ckpt, micro)
         self._seen[key] = min(self._seen.get(key, p.activations_peak), p.activations_peak)
+        if "step" in p.by_phase:
+            self._steps[(_frozen(kwargs), micro)] = p.by_phase["step"]
         return p
 
     def floor(self, kwargs: dict[str, Any], ckpt: bool,
-              bound: StateBound | None) -> Callable[[int], int | None]:
-        def at(micro: int) -> int | None:
+              bound: StateBound | None) -> Callable[[int], Floor | None]:
+        config = _frozen(kwargs)
+
+        def at(micro: int) -> Floor | None:
             seen = [n for (dtype, c, m), n in self._seen.items()
                     if dtype == kwargs["param_dtype"] and c == ckpt and m <= micro]
-            if bound is None or not seen:
-                return None
-            return bound.persistent + max(seen)
+            steps = [(n, m) for (k, m), n in self._steps.items() if k == config and m <= micro]
+            floors = [(max(steps)[0], _STEP_FLOOR.format(micro=max(steps)[1]))] if steps else []
+            if bound is not None and seen:
+                floors.append((bound.persistent + max(seen), _ACTIVATION_FLOOR))
+            return max(floors, default=None)
         return at
+
+
+def _frozen(kwargs: dict[str, Any]) -> tuple:
+    return tuple(sorted(kwargs.items()))
 
 
 def _ordered_as_bounded(entries: list[PlanEntry | None], bounds: list[StateBound | None],
@@ -223,13 +246,19 @@ def _over_in_states(kwargs: dict[str, Any], ckpt: bool, bound: StateBound, memor
     )
 
 
-def _over_at_floor(kwargs: dict[str, Any], ckpt: bool, least: int, memory: int,
+_ACTIVATION_FLOOR = ("the model states it always holds and the activations of the same "
+                     "model at micro-batch 1")
+_STEP_FLOOR = ("its optimizer step, the same with checkpointing on or off, as predicted "
+               "at micro-batch {micro}")
+
+
+def _over_at_floor(kwargs: dict[str, Any], ckpt: bool, least: Floor, memory: int,
                    batch: int) -> PlanEntry:
+    n, what = least
     return PlanEntry(
-        dict(kwargs), 1, batch, ckpt, least, False, 0,
-        f"{_AT_FLOOR} {human_bytes(least)} at micro-batch 1, "
-        f"{human_bytes(least - memory)} over the budget ({human_bytes(memory)}): the model "
-        "states it always holds and the activations of the same model at micro-batch 1 "
+        dict(kwargs), 1, batch, ckpt, n, False, 0,
+        f"{_AT_FLOOR} {human_bytes(n)} at micro-batch 1, "
+        f"{human_bytes(n - memory)} over the budget ({human_bytes(memory)}): {what} "
         "(not predicted)",
     )
 

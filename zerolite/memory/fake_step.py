@@ -22,6 +22,7 @@ no live byte since they only fill preallocated staging buffers.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 import threading
 import warnings
@@ -30,7 +31,12 @@ from concurrent.futures import Executor, Future
 from typing import Any
 
 import torch
-from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensor, FakeTensorMode
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    FakeTensor,
+    FakeTensorMode,
+    in_kernel_invocation_manager,
+)
 from torch.utils._python_dispatch import _disable_current_modes
 
 from zerolite.memory.ledger import StorageLedger
@@ -41,6 +47,15 @@ __all__ = ["fake_step"]
 
 _aten = torch.ops.aten
 _REAL_LIMIT = 16 << 20  # bytes: integer and bool CPU tensors up to this size stay real
+_DEVICE = torch.ops.prim.device.default
+# False: dispatch as the plain fake mode does ([Note: dispatch cost]; what
+# tests/memory/test_prediction_shortcuts.py holds the shortcuts against).
+SHORTCUTS = True
+# Argument types torch's cache key takes as they are: their type, then the value.
+_PLAIN = frozenset({int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout,
+                    torch.memory_format})
+# `torch.profiler.record_function`'s entry: no tensor in or out, a handle the exit takes.
+_PROFILER_ENTER = torch.ops.profiler._record_function_enter_new.default
 
 
 def _tensors(value: Any, out: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -87,15 +102,38 @@ def _zero_of_dtype(dtype: torch.dtype) -> bool | float | int:
 
 
 class _LedgerMode(FakeTensorMode):
-    """``FakeTensorMode`` that keeps small integer tensors real and reports outputs."""
+    """``FakeTensorMode`` that keeps small integer tensors real and reports outputs.
+
+    [Note: dispatch cost] A prediction is a few hundred thousand dispatches, so their
+    fixed cost is most of its time; three things cut it without changing any result:
+
+    - ``prim.device`` (every ``.device`` of a fake tensor, over half of all dispatches)
+      is answered first, as the fake mode's own handler answers it: no storage comes
+      of it; so is `torch.profiler.record_function`'s entry (zerolite marks each
+      exchange with one), run as it runs outside the mode: no tensor goes in or out,
+      and the fake mode would take it on its slowest path;
+    - the fake mode is entered through its ``dispatch``, and this class's
+      ``__torch_dispatch__`` is unwrapped from the "no torch.compile here" guard a
+      dispatch mode gets (nothing here is compiled);
+    - the dispatch cache's key of a plain fake tensor is one tuple of what torch's key
+      holds (`_fake_key`), built directly instead of through its metadata record: a key
+      as fine as torch's or finer, so a cached output is the one the op would make; and
+      a cache hit's output is made as torch makes it, in one step (`_output_tensor`).
+
+    Only `SHORTCUTS` at construction turns them on (the guard is off either way).
+    """
 
     def __init__(self, ledger: StorageLedger) -> None:
         super().__init__(allow_non_fake_inputs=True)
         self.ledger = ledger
+        self._shortcuts = SHORTCUTS
         self._lock = threading.RLock()
         self._local = threading.local()
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func is _DEVICE and len(args) == 1 and type(args[0]) is FakeTensor \
+                and self._shortcuts:
+            return args[0].fake_device
         kwargs = kwargs or {}
         with self._lock:
             if getattr(self._local, "inside", False):  # the fake mode's own decompositions
@@ -116,11 +154,16 @@ class _LedgerMode(FakeTensorMode):
         ):
             return _zero_of_dtype(first.dtype)
         try:
+            if self._shortcuts:
+                return self.dispatch(func, types, args, kwargs)
             return super().__torch_dispatch__(func, types, args, kwargs)
         except DataDependentOutputException:
             return _zero_of(func)
 
     def _run(self, func: Any, types: Any, args: Any, kwargs: Any) -> Any:
+        if func is _PROFILER_ENTER and self._shortcuts:
+            with _disable_current_modes():
+                return func(*args, **kwargs)
         tensors = _tensors(kwargs, _tensors(args, []))
         if tensors and all(_stays_real(t) for t in tensors):
             with _disable_current_modes():
@@ -136,6 +179,79 @@ class _LedgerMode(FakeTensorMode):
             with _disable_current_modes():
                 return func(*args, **kwargs)
         return out
+
+
+# Without the guard `TorchDispatchMode.__init_subclass__` put around it ([Note: dispatch cost]).
+_LedgerMode.__torch_dispatch__ = inspect.unwrap(  # type: ignore[method-assign]
+    _LedgerMode.__dict__["__torch_dispatch__"]
+)
+
+
+def _prep_args_for_hash(self: _LedgerMode, result: list, args: Any, state: Any,
+                        id_hashed_objects: list) -> None:
+    """The dispatch cache key's part for ``args`` ([Note: dispatch cost]): torch's, but a
+    plain fake tensor of this mode is one `_fake_key` tuple, and a plain scalar is put
+    as torch puts it (its type, then itself) without torch's chain of type tests."""
+    base = FakeTensorMode._prep_args_for_hash
+    if isinstance(args, dict) or not self._shortcuts:
+        base(self, result, args, state, id_hashed_objects)
+        return
+    if isinstance(args, (list, tuple)):
+        result.append(type(args))
+        result.append(f"length_{len(args)}")
+    for arg in args:
+        kind = type(arg)
+        if kind is FakeTensor and arg.fake_mode is self and arg.constant is None \
+                and arg.layout is torch.strided:
+            result.append(_fake_key(arg))
+        elif kind in _PLAIN:
+            result.append(kind)
+            result.append(arg)
+        elif kind is list or kind is tuple:
+            _prep_args_for_hash(self, result, arg, state, id_hashed_objects)
+        else:
+            base(self, result, (arg,), state, id_hashed_objects)
+
+
+def _output_tensor(self: _LedgerMode, state: Any, entry: Any, key: Any, func: Any,
+                   args: Any) -> Any:
+    """A cache hit's output tensor ([Note: dispatch cost]): torch's, made in one step
+    for the common case -- a new dense tensor or a view of an argument, of plain integer
+    sizes, neither conjugate nor negative -- and by torch otherwise."""
+    meta = entry.metadata
+    if (not self._shortcuts or self.shape_env is not None or entry.inplace_idx is not None
+            or meta is None or meta.layout is not torch.strided or meta.is_conj
+            or meta.is_neg or type(meta.storage_offset) is not int
+            or not all(type(n) is int for n in (*meta.shape, *meta.stride))):
+        return FakeTensorMode._get_output_tensor_from_cache_entry(self, state, entry, key,
+                                                                  func, args)
+    with in_kernel_invocation_manager(self):
+        empty = torch.empty_strided(meta.shape, meta.stride, dtype=meta.dtype, device="meta",
+                                    requires_grad=meta.requires_grad)
+        if isinstance(func, torch._ops.OpOverload) and func.is_view:
+            # a view shares its argument's storage
+            empty.set_(args[entry.view_idx].untyped_storage(), meta.storage_offset,
+                       meta.shape, meta.stride)
+    return FakeTensor(self, empty, meta.device)
+
+
+# torch's key builder takes (result, args, state, id_hashed_objects) on the torch zerolite is
+# tested with (and its cache entries this metadata); where not, key and outputs stay torch's.
+if list(inspect.signature(FakeTensorMode._prep_args_for_hash).parameters) == [
+    "self", "result", "args", "state", "id_hashed_objects"
+]:
+    _LedgerMode._prep_args_for_hash = _prep_args_for_hash  # type: ignore[method-assign]
+    _LedgerMode._get_output_tensor_from_cache_entry = _output_tensor  # type: ignore[method-assign]
+
+
+def _fake_key(t: FakeTensor) -> tuple:
+    """What the dispatch cache's key records of a dense fake tensor (torch's
+    ``TensorMetadata``: its memory format follows from the sizes and strides, its sparse
+    fields are empty), as one tuple. No other part of a key is a tuple (torch flattens
+    lists and tuples into the key), so this one cannot match anything else."""
+    return (t.dtype, tuple(t.shape), t.stride(), t.fake_device, t.storage_offset(),
+            t.untyped_storage().nbytes(), t.requires_grad, t.is_quantized, t.is_conj(),
+            t.is_neg(), t.is_inference())
 
 
 class _Inline(Executor):
