@@ -20,7 +20,7 @@ import torch
 
 import zerolite
 from examples.gpt import GPT, GPTConfig
-from zerolite.memory import plan, predict_peak
+from zerolite.memory import budget_search, plan, predict_peak
 from zerolite.memory.budget_bounds import shared_fractions, state_bounds
 from zerolite.memory.estimate import estimate_planned
 
@@ -91,19 +91,28 @@ def test_pruned_search_picks_what_the_exhaustive_search_picks(tmp_path):
         assert not _check(min(e.peak_bytes for e in roomy) // 4, tmp_path)[0].fits
 
 
-def test_step_floor_rejects_only_what_the_exhaustive_search_rejects(tmp_path):
+def test_step_floor_rejects_only_what_the_exhaustive_search_rejects(tmp_path, monkeypatch):
     """[Note: step floor]: with checkpointing searched, a combination whose optimizer step
     (predicted without checkpointing) is over the budget is rejected unpredicted; the
     pick is the exhaustive search's at budgets just under the step peaks and each pick's
-    peak."""
-    search = dict(SEARCH, offloads=(None,), checkpointing=(False, True))
+    peak. (Where nothing fits, the least-over entries are then predicted after all: the
+    reasons are read before that.)"""
+    search = dict(SEARCH, offloads=(None,), offload_params=(None,), checkpointing=(False, True))
+    before: list[str] = []
+    settle = budget_search._predict_least_over
+
+    def recorded(entries, *args, **kwargs):
+        before.extend(e.reason for e in entries if e is not None and e.reason)
+        return settle(entries, *args, **kwargs)
+
+    monkeypatch.setattr(budget_search, "_predict_least_over", recorded)
     steps = [predict_peak(tiny, tiny_batch, zerolite.ZeroConfig(stage=stage), 2,
                           micro_batch=1, accumulation=2).by_phase["step"] for stage in (1, 3)]
     reasons: list[str] = []
     picks = [_check(1 << 30, tmp_path, search, reasons)[0]]
     for memory in sorted({*(n - 1 for n in steps), picks[0].peak_bytes - 1}, reverse=True):
         picks.append(_check(memory, tmp_path, search, reasons, first_rejection=False)[0])
-    assert any("its optimizer step" in r for r in reasons), reasons
+    assert any("its optimizer step" in r for r in reasons + before), reasons
     assert picks[0].fits and not all(p.fits for p in picks), picks
 
 

@@ -3,7 +3,7 @@ mode's shortcuts (``prim.device`` answered first, the dispatch cache keyed by on
 fake tensor) against the same prediction dispatched as the plain fake mode does, computed
 in the same run, each from an empty dispatch cache: equal field for field, on the example
 GPT, transformers' GPT-2 and Llama, through every stage, both dtypes, checkpointing,
-accumulation and the offload tiers.
+accumulation, the offload tiers and parameters on a tier.
 """
 
 from __future__ import annotations
@@ -25,6 +25,8 @@ CASES = [
     ("llama", dict(stage=3, param_dtype=torch.bfloat16),
      dict(accumulation=4, activation_checkpointing=True)),
     ("llama", dict(stage=2, param_dtype=torch.float32, offload="host"), dict(accumulation=1)),
+    ("gpt", dict(stage=3, param_dtype=torch.bfloat16, offload_params="disk"),
+     dict(accumulation=2)),
 ]
 
 
@@ -32,7 +34,7 @@ def _predict(name: str, config: dict, kwargs: dict, shortcuts: bool, tmp_path,
              monkeypatch: pytest.MonkeyPatch) -> object:
     monkeypatch.setattr(fake_step, "SHORTCUTS", shortcuts)
     FakeTensorMode.cache_clear()  # each run fills the cache with its own keys
-    if config.get("offload") == "disk":
+    if "disk" in (config.get("offload"), config.get("offload_params")):
         config = dict(config, offload_dir=str(tmp_path))
     model_fn, batch_fn = MODELS[name]
     p = predict_peak(model_fn, batch_fn, zerolite.ZeroConfig(**config), 2, micro_batch=2,
@@ -41,7 +43,7 @@ def _predict(name: str, config: dict, kwargs: dict, shortcuts: bool, tmp_path,
 
 
 @pytest.mark.parametrize("name,config,kwargs", CASES, ids=[
-    f"{n}-stage{c['stage']}-{c.get('offload')}" for n, c, _ in CASES])
+    f"{n}-stage{c['stage']}-{c.get('offload')}-{c.get('offload_params')}" for n, c, _ in CASES])
 def test_shortcuts_predict_what_the_plain_fake_mode_does(name, config, kwargs, tmp_path,
                                                          monkeypatch):
     plain = _predict(name, config, kwargs, False, tmp_path, monkeypatch)

@@ -93,9 +93,8 @@ def plan(
     exhaustive: bool = False,
 ) -> list[PlanEntry]:
     """Every configuration considered, those that fit first, cheapest first ([Note: plan
-    cost]); then the rejected ones, least over the budget first.
-
-    Single process, no process group (see `predict_peak`); nothing is allocated.
+    cost]); then the rejected ones, least over the budget first. Single process, no
+    process group (see `predict_peak`); nothing is allocated.
 
     Args:
         model_fn: ``() -> nn.Module`` (see `predict_peak`).
@@ -106,17 +105,15 @@ def plan(
         stages: the stages searched.
         param_dtypes: the parameter dtypes searched.
         offloads: the offload tiers searched (None: no offload).
-        offload_params: the tiers of stage 3's parameter and gradient shards searched
-            (``ZeroConfig.offload_params``; None: in memory); stages 1-2 search None only.
+        offload_params: stage 3's parameter tiers searched (None: in memory).
         checkpointing: the activation checkpointing settings searched.
-        offload_fractions: the ``offload_fraction``s searched for each offload tier, each
-            in (0, 1].
+        offload_fractions: each offload tier's ``offload_fraction``s, each in (0, 1].
         shard_group_sizes: the shard group sizes k searched, each a divisor of
             ``world_size`` (k = ``world_size``: sharded over every rank; a smaller k:
             hybrid sharding, ``shard_group_size=k``). Default: ``world_size`` and each
             of its divisors k with 1 < k < ``world_size``.
         base: other `ZeroConfig` settings every configuration keeps.
-        offload_dir: the directory of a disk tier (default: the system's temporary one).
+        offload_dir: a disk tier's directory (default: the system's temporary one).
         optimizer: as for `predict_peak`.
         max_grad_norm: as for `predict_peak`.
         device: as for `predict_peak`; ``memory`` is of this device.
