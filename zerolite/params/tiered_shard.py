@@ -30,6 +30,8 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import ctypes
+import ctypes.util
 import weakref
 from collections.abc import Iterator, Sequence
 from concurrent import futures
@@ -266,6 +268,8 @@ class TieredTensor:
 
     def _free(self) -> None:
         self.tensor.untyped_storage().resize_(0)
+        if self.tensor.device.type == "cpu":
+            release_freed_memory(self._nbytes)
 
 
 @contextlib.contextmanager
@@ -312,6 +316,37 @@ class _OneAtATime(Sequence[torch.Tensor]):
                 t.park(dirty=self._dirty)
             elif self._dirty:
                 t.mark_dirty()
+
+
+_TRIM_BYTES = 64 << 20  # parked since the last trim, before the next: one call per so much
+_freed = 0
+_libc_trim = None
+
+
+def release_freed_memory(nbytes: int) -> None:
+    """[Note: freed shards leave the process] A parked shard's storage goes back to the C
+    allocator, and glibc keeps what heap memory is freed for reuse (and raises its mmap
+    threshold each time a large mapped block is freed, so the next shards come from the
+    heap too): the process's RSS would keep the bytes the tier was meant to take off it.
+    ``malloc_trim(0)`` hands every free page of every arena back to the system; it is
+    called each time another 64 MiB of shards were parked. Elsewhere than glibc, nothing."""
+    global _libc_trim, _freed
+    _freed += nbytes  # from two threads: a count off by one shard only moves the next trim
+    if _freed < _TRIM_BYTES:
+        return
+    _freed = 0
+    if _libc_trim is None:
+        _libc_trim = _find_malloc_trim()
+    if _libc_trim:
+        _libc_trim(0)
+
+
+def _find_malloc_trim():  # noqa: ANN202 - a ctypes function, or False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return libc.malloc_trim
+    except (OSError, AttributeError):
+        return False
 
 
 def _shutdown(threads: tuple[ThreadPoolExecutor, ...]) -> None:
