@@ -7,7 +7,8 @@ Systems (AdamW, micro-batch 1 per rank, seq 32, vocab 8192, 1 thread per rank):
     zl3-disk-params  the same with offload_params="disk" as well: each rank's parameter and
                gradient shards are parked in files under --offload-dir between uses, so a
                rank holds a unit or two at a time, not its shard (meta build: each unit is
-               materialised straight to the tier)
+               materialised straight to the tier). Not in the default list: at 2.5B
+               parameters it moves tens of GB per step, ~15 minutes a size on 2 cores.
 
 There is no zl3-host-params: a host tier is an arena in the same process, so on a CPU
 model it moves the shards from one part of the RSS to another and lowers nothing. It
@@ -17,7 +18,9 @@ does not measure.
 Sizes grow d_model and n_layer together along a fixed ladder (`LADDER`, ~1M to ~3B
 parameters). For each system the script starts at the largest size that its memory
 estimate (`zerolite.memory.estimate` plus a per-process allowance) puts under
-``--max-rss-gb`` (summed over ranks), runs it, and steps down on failure. A run fails if
+``--max-rss-gb`` (summed over ranks; for zl3-disk-params a conservative bound of this
+script's own, `_parked_bytes`, until `estimate` counts ``offload_params``), runs it, and
+steps down on failure. A run fails if
 a rank's RSS passes its share of the cap (a watchdog thread ends the run before the
 machine runs short), or shard() refuses the disk (not enough free space). It prints,
 per system, the size, the peak RSS summed over ranks (each rank's ``VmHWM``), the phase
@@ -27,6 +30,8 @@ the seconds per step. A rank the watchdog stops prints the phase it was in.
 
     python benchmarks/max_model.py [--max-rss-gb 6] [--offload-dir DIR] [--systems ...]
     python benchmarks/max_model.py --d-model 1216 --systems zl3,zl3-disk   # one size
+    python benchmarks/max_model.py --max-rss-gb 8 --systems zl3-disk-params --d-model 2368 \
+        --offload-dir /scratch/zl --timeout-s 3000
 
 ``--max-rss-gb`` defaults to the machine's available memory: on a shared machine, give
 a cap. The time budget (``--budget-s``, 30 min) stops stepping down when spent. Not part
@@ -63,9 +68,9 @@ STEPS = 3
 SEQ, VOCAB = 32, 8192
 # (d_model, n_layer): n_layer = d_model / 64, d_model in steps of 64 (each rung about
 # 10-20 % more parameters than the last, so a system's largest size is found to that);
-# about 12 * n_layer * d_model^2 + 2 * vocab * d_model parameters (1.4M to 2.9B).
+# about 12 * n_layer * d_model^2 + 2 * vocab * d_model parameters (1.4M to 3.2B).
 LADDER = [(d, d // 64) for d in range(128, 2561, 64)]
-SYSTEMS = ("ddp", "zl3", "zl3-disk", "zl3-disk-params")
+SYSTEMS = ("ddp", "zl3", "zl3-disk")  # zl3-disk-params by name: a size takes ~15 minutes
 # A rank's memory beyond its model states and transient buffers: the interpreter, torch,
 # gloo, the allocator's slack and the activations of one short sequence.
 PROCESS_BYTES = 450 * 2**20
