@@ -22,7 +22,8 @@ estimate (`zerolite.memory.estimate` plus a per-process allowance) puts under
 script's own, `_parked_bytes`, until `estimate` counts ``offload_params``), runs it, and
 steps down on failure. A run fails if
 a rank's RSS passes its share of the cap (a watchdog thread ends the run before the
-machine runs short), or shard() refuses the disk (not enough free space). It prints,
+machine runs short, and a rank's ``VmHWM`` past it at the end fails the size too: the
+watchdog samples every 20 ms), or shard() refuses the disk (not enough free space). It prints,
 per system, the size, the peak RSS summed over ranks (each rank's ``VmHWM``), the phase
 in which the largest rank reached its peak (build, or forward / backward / step of a
 step), the bytes on disk (the optimizer tier and, for -params, the parameter tier) and
@@ -221,6 +222,13 @@ def _try(system: str, size: tuple[int, int], offload_dir: str, cap: int,
     except RankFailure as exc:
         first = str(exc).strip().splitlines()[-1][:160]
         print(f"  {system} {size}: failed ({first})", flush=True)
+        return None
+    # The watchdog samples every 20 ms and can miss a short spike: the high-water mark decides.
+    over = [(i, r) for i, r in enumerate(ranks) if r["peak_rss"] > cap // WORLD]
+    for i, r in over:
+        print(f"  {system} {size}: failed (rank {i} VmHWM {r['peak_rss'] / 2**30:.3f} GiB passed "
+              f"{cap // WORLD / 2**30:.2f} GiB, in {r['peak_in']})", flush=True)
+    if over:
         return None
     return {
         "peak_rss": sum(r["peak_rss"] for r in ranks),
