@@ -13,6 +13,11 @@ parameters with fp32 master shards):
     zl2-disk/zl3-disk  stage 2 / 3 with ZeroConfig(offload="disk") under --offload-dir
         (not in the default list; its rows add the step-time ratio to the same stage in
         RAM, the tier's bytes and the peak RSS per rank measured by `zerolite.memory.track`)
+    zl3-disk-params  stage 3 with ZeroConfig(offload="disk", offload_params="disk"): the
+        parameter and gradient shards parked on disk between uses as well (not in the
+        default list; its rows compare it with zl3-disk: step-time ratio, the tier's bytes
+        (optimizer tier + parameter tier), peak RSS per rank, and the RSS drop over the
+        parameter and gradient bytes moved to the parameter tier)
     zl2-hybrid/zl3-hybrid  stage 2 / 3 with ZeroConfig(shard_group_size=--node-size):
                  sharded within each "node" of --node-size consecutive ranks, gradient
                  shards all-reduced across nodes (not in the default list)
@@ -21,7 +26,8 @@ parameters with fp32 master shards):
                  (`zerolite.comm.quantized_replicas`; not in the default list)
 
 Per system it prints the median step time, its ratio ("x base") to DDP's median in the
-same round (a -disk system: to the same stage in RAM; mean and spread over rounds), tokens/s,
+same round (a -disk system: to the same stage in RAM; a -params system: to the same stage
+with the optimizer tier only; mean and spread over rounds), tokens/s,
 model-state bytes per rank and their ratio to
 `zerolite.memory.formula`, transient bytes, and logical elements per collective kind per
 step, counted by a pass-through spy on torch.distributed in a separate counting step
@@ -38,6 +44,7 @@ counted across in full (an upper bound: a ring crosses nodes on some hops only).
 
     python benchmarks/step_time.py [--rounds 5] [--dtypes fp32,bf16] [--device cuda]
     python benchmarks/step_time.py --systems zl2,zl3,zl2-disk,zl3-disk --dtypes bf16
+    python benchmarks/step_time.py --systems zl3,zl3-disk,zl3-disk-params --dtypes bf16
 
 With ``--device cuda`` every system runs on the GPU with NCCL (one lent GPU allows
 world size 1 only: ``--world-size 1``).
@@ -68,6 +75,7 @@ import zerolite  # noqa: E402
 from benchmarks.wire_count import CommSpy  # noqa: E402
 from examples.gpt import GPT, GPTConfig, param_groups, random_batch  # noqa: E402
 from zerolite.memory import footprint, formula, track  # noqa: E402
+from zerolite.state.shard_state import state_of  # noqa: E402
 from zerolite.testing import run_ranks  # noqa: E402
 
 CFG = GPTConfig(vocab_size=8192, seq_len=128, n_layer=6, n_head=6, d_model=384)
@@ -76,7 +84,18 @@ WARMUP, TIMED = 3, 10
 TRACKED = 5  # zerolite systems: steps after the timed ones, each peak RSS read by track()
 SYSTEMS = ("ddp", "zero1", "fsdp2", "zl1", "zl2", "zl3")
 STAGE = {"ddp": 0, "zero1": 1, "fsdp2": 3, "zl1": 1, "zl2": 2, "zl3": 3, "zl2-disk": 2,
-         "zl3-disk": 3, "zl2-hybrid": 2, "zl3-hybrid": 3, "zl2-hybrid-q": 2, "zl3-hybrid-q": 3}
+         "zl3-disk": 3, "zl3-disk-params": 3, "zl2-hybrid": 2, "zl3-hybrid": 3,
+         "zl2-hybrid-q": 2, "zl3-hybrid-q": 3}
+
+
+def _base(system: str) -> str:
+    """The system a row's "x base" divides by: a -params system by the same stage with the
+    optimizer tier only, a -disk one by the same stage in RAM, the rest by DDP."""
+    if system.endswith("-params"):
+        return system.removesuffix("-params")
+    return system.removesuffix("-disk") if system.endswith("-disk") else "ddp"
+
+
 def _census(tensors) -> int:
     seen, total = set(), 0
     for t in tensors:
@@ -96,10 +115,11 @@ def _build(system: str, dtype: str, device: torch.device, offload_dir: str, node
     groups = param_groups(model, weight_decay=0.1)
     autocast = contextlib.nullcontext
     if system.startswith("zl"):
-        offload = "disk" if system.endswith("-disk") else None
+        offload = "disk" if "-disk" in system else None
         cfg = zerolite.ZeroConfig(
             stage=STAGE[system], param_dtype=torch.bfloat16 if dtype == "bf16" else torch.float32,
             offload=offload, offload_dir=offload_dir if offload else None,
+            offload_params="disk" if system.endswith("-params") else None,
             shard_group_size=node_size if "-hybrid" in system else None,
             quantize_gather=system.endswith("-q"), quantize_reduce=system.endswith("-q"),
         )
@@ -192,6 +212,8 @@ def _run_system(
         result["rss_peak"] = statistics.median(peaks)
         result["held"] = None if None in held else statistics.median(held)
         result["offloaded"] = t.offloaded
+        params_tier = state_of(model).params_tier
+        result["params_tier"] = 0 if params_tier is None else params_tier.capacity
     return result
 
 
@@ -280,8 +302,7 @@ def main() -> None:
                 )
                 results[(system, dtype)].append(result)
             for system in systems:
-                # An offloaded system against the same stage in RAM; the rest against DDP.
-                base = system.removesuffix("-disk") if system.endswith("-disk") else "ddp"
+                base = _base(system)
                 if base in medians:
                     ratios[(system, dtype)].append(medians[system] / medians[base])
         print(f"round {r + 1}/{args.rounds} done", flush=True)
@@ -289,7 +310,7 @@ def main() -> None:
     print(f"\n{CFG}, micro-batch {MICRO_BATCH}/rank, {args.world_size} ranks, {args.device}, "
           f"{args.rounds} rounds x {TIMED} timed steps")
     header = (
-        f"{'system':10s} {'dtype':5s} {'median ms':>9s} {'x base':>6s} {'spread':>13s} "
+        f"{'system':15s} {'dtype':5s} {'median ms':>9s} {'x base':>6s} {'spread':>13s} "
         f"{'tok/s':>7s} {'states MB':>9s} {'/formula':>8s} {'trans MB':>8s} {'wire MB':>7s} "
         f"{'within M':>8s} {'across M':>8s} {'within MB':>9s} {'across MB':>9s}  "
         "elements per step by call"
@@ -304,7 +325,7 @@ def main() -> None:
             ref = formula(runs[-1]["numel"], world_size=args.world_size, stage=STAGE[system],
                           param_dtype=torch.bfloat16 if dtype == "bf16" and system.startswith("zl")
                           else torch.float32,
-                          offload="disk" if system.endswith("-disk") else None,
+                          offload="disk" if "-disk" in system else None,
                           shard_group_size=args.node_size if "-hybrid" in system else None,
                           quantize_gather=system.endswith("-q"),
                           error_feedback=system.endswith("-q"))
@@ -313,7 +334,7 @@ def main() -> None:
             )
             links, link_bytes = runs[-1]["links"], runs[-1]["link_bytes"]
             print(
-                f"{system:10s} {dtype:5s} {med * 1e3:9.1f} {statistics.mean(rs):6.3f} "
+                f"{system:15s} {dtype:5s} {med * 1e3:9.1f} {statistics.mean(rs):6.3f} "
                 f"{min(rs):6.3f}-{max(rs):6.3f} {tokens / med:7.0f} {mem.model_states / 1e6:9.1f} "
                 f"{mem.model_states / ref.model_states:8.3f} {mem.transient / 1e6:8.1f} "
                 f"{sum(runs[-1]['bytes'].values()) / 1e6:7.1f} "
@@ -324,35 +345,45 @@ def main() -> None:
 
 
 def _offload_table(systems, dtypes, results) -> None:
-    """Per -disk system: resident drop (peak RSS per rank, by track()) against its bytes,
-    and the drop in bytes malloc holds after the step (glibc only; RSS also counts freed
-    memory the allocator keeps, which varies by tens of MB from run to run)."""
-    rows = [s for s in systems if s.endswith("-disk") and s.removesuffix("-disk") in systems]
+    """Per tiered system whose base ran too (a -disk system: the same stage in RAM; a
+    -params system: the same stage with the optimizer tier only): the resident drop (peak
+    RSS per rank, by track()) against the bytes it moved to its tier ("moved": the
+    optimizer tier of a -disk row, the parameter tier of a -params row), the tier's bytes
+    in all (optimizer tier + parameter tier), and the drop in bytes malloc holds after the
+    step (glibc only; RSS also counts freed memory the allocator keeps, which varies by
+    tens of MB from run to run)."""
+    rows = [s for s in systems if s.endswith(("-disk", "-params")) and _base(s) in systems]
     if not rows:
         return
-    print("\n'x base' of a -disk row is its step time over the same stage in RAM.")
-    print(f"{'system':8s} {'dtype':5s} {'RSS MB in RAM':>13s} {'RSS MB disk':>11s} "
-          f"{'drop MB':>8s} {'on disk MB':>10s} {'drop/disk':>9s} {'CPU ms RAM':>10s} "
-          f"{'CPU ms disk':>11s} {'CPU x':>6s} {'held drop MB':>12s} {'held/disk':>9s}")
+    print("\n'x base' of a -disk row is its step time over the same stage in RAM; of a -params "
+          "row, over the same stage with the optimizer tier only. 'moved': the bytes this "
+          "row's tier took over from its base (-disk: optimizer state; -params: parameter "
+          "and gradient shards); 'tier': all bytes on disk.")
+    print(f"{'system':15s} {'dtype':5s} {'RSS MB base':>11s} {'RSS MB':>8s} "
+          f"{'drop MB':>8s} {'moved MB':>8s} {'drop/moved':>10s} {'tier MB':>8s} "
+          f"{'CPU ms base':>11s} {'CPU ms':>8s} {'CPU x':>6s} {'held drop MB':>12s} "
+          f"{'held/moved':>10s}")
     for dtype in dtypes:
         for system in rows:
-            base = results[(system.removesuffix("-disk"), dtype)]
-            disk = results[(system, dtype)]
+            base = results[(_base(system), dtype)]
+            tiered = results[(system, dtype)]
             # Rank 0's peak RSS per step as track() saw it: median over steps, then rounds.
-            ram_rss = statistics.median(r["rss_peak"] for r in base)
-            disk_rss = statistics.median(r["rss_peak"] for r in disk)
-            offloaded = disk[-1]["offloaded"]
+            base_rss = statistics.median(r["rss_peak"] for r in base)
+            rss = statistics.median(r["rss_peak"] for r in tiered)
+            last = tiered[-1]
+            moved = last["params_tier"] if system.endswith("-params") else last["offloaded"]
             # Rank 0's CPU time per timed step (its threads included), median over all.
-            ram_cpu = statistics.median(c for r in base for c in r["cpu"])
-            disk_cpu = statistics.median(c for r in disk for c in r["cpu"])
+            base_cpu = statistics.median(c for r in base for c in r["cpu"])
+            cpu = statistics.median(c for r in tiered for c in r["cpu"])
             held = [statistics.median(r["held"] for r in runs) if runs[0]["held"] else None
-                    for runs in (base, disk)]
-            held_drop = (f"{(held[0] - held[1]) / 1e6:12.1f} {(held[0] - held[1]) / offloaded:9.2f}"
-                         if None not in held else f"{'n/a':>12s} {'n/a':>9s}")
-            print(f"{system:8s} {dtype:5s} {ram_rss / 1e6:13.1f} {disk_rss / 1e6:11.1f} "
-                  f"{(ram_rss - disk_rss) / 1e6:8.1f} {offloaded / 1e6:10.1f} "
-                  f"{(ram_rss - disk_rss) / offloaded:9.2f} {ram_cpu * 1e3:10.1f} "
-                  f"{disk_cpu * 1e3:11.1f} {disk_cpu / ram_cpu:6.3f} {held_drop}")
+                    for runs in (base, tiered)]
+            held_drop = (f"{(held[0] - held[1]) / 1e6:12.1f} {(held[0] - held[1]) / moved:10.2f}"
+                         if None not in held else f"{'n/a':>12s} {'n/a':>10s}")
+            print(f"{system:15s} {dtype:5s} {base_rss / 1e6:11.1f} {rss / 1e6:8.1f} "
+                  f"{(base_rss - rss) / 1e6:8.1f} {moved / 1e6:8.1f} "
+                  f"{(base_rss - rss) / moved:10.2f} "
+                  f"{(last['offloaded'] + last['params_tier']) / 1e6:8.1f} {base_cpu * 1e3:11.1f} "
+                  f"{cpu * 1e3:8.1f} {cpu / base_cpu:6.3f} {held_drop}")
 
 
 if __name__ == "__main__":

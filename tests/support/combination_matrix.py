@@ -56,7 +56,7 @@ _LOOSENESS = ("bitwise", "order", "quantized")
 # (what is refused, why), as (predicate, reason) pairs. A refusal added to `shard()` (or
 # to `ZeroConfig`) must be listed here and in docs/limits.md.
 REFUSED: tuple = (
-    (lambda c: c["offload_params"] is not None and c["stage"] != 3,
+    (lambda c: c.get("offload_params") is not None and c["stage"] != 3,
      "offload_params below stage 3: every rank holds the whole parameters there"),
 )
 
