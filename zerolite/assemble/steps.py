@@ -122,9 +122,7 @@ def _build(
     flats, frozen_flats = all_flats[: len(plan.flat_params)], all_flats[len(plan.flat_params) :]
     masters = _make_masters(flats, config, group, offload)
     tier = _adopt_optimizer(optimizer, masters, plan, (offload, arena), config, group)
-    reducer, grads = _wire_gradients(flats, config, group)
-    if params_tier is not None:
-        attach_buckets(params_tier, reducer.buckets)
+    reducer, grads = _wire_gradients(flats, config, group, params_tier)
     scheduler = None
     if plan.units is not None and isinstance(grads, ShardGradsInBackward):
         scheduler = _schedule_units(plan, all_flats, flats, group, config, grads)
@@ -271,23 +269,27 @@ def _adopt_optimizer(
 
 
 def _wire_gradients(
-    flats: list[FlatParamBuffer], config: ZeroConfig, group: Group
+    flats: list[FlatParamBuffer], config: ZeroConfig, group: Group,
+    params_tier: ShardTier | None,
 ) -> tuple[GradReducer, KeepFullGrads | ShardGradsInBackward]:
     """One gradient bucket per trained flat buffer, the reducer over them, and the hooks:
-    full gradients kept until the step (stage 1) or sharded in backward (stages 2-3)."""
+    full gradients kept until the step (stage 1) or sharded in backward (stages 2-3).
+    With ``offload_params`` each bucket's gradient shard is parked as soon as it is made,
+    so the build never holds them all."""
     policy = STAGES[config.stage]
     for flat in flats:
         for p in flat.params:
             p.grad = None
-    buckets = [
-        GradBucket(
+    buckets = []
+    for flat in flats:
+        buckets.append(GradBucket(
             flat,
             full_dtype=policy.kept_grad_dtype(config.param_dtype, config.grad_dtype),
             shard_dtype=config.grad_dtype,
             keep_full=not policy.shards_gradients,
-        )
-        for flat in flats
-    ]
+        ))
+        if params_tier is not None:
+            attach_buckets(params_tier, buckets[-1:])
     reducer = GradReducer(buckets, group, stage=config.stage)
     if policy.shards_gradients:
         return reducer, ShardGradsInBackward(reducer)
