@@ -12,6 +12,9 @@ checkpoint each rank saves: its masters, optimizer state and RNG states):
 - ``clip_grad_norm_`` and ``clip_grad_value_`` every step (they walk the parked shards);
 - a meta-device build, materialised unit by unit onto the tier;
 - ``reshard_after_forward=False`` with activation checkpointing;
+- a loop as users write it: an LR scheduler built before ``shard()``, ``model.zero_grad()``
+  on every other step, and one batch whose gradients are thrown away (``model.zero_grad()``
+  after its backward, no step);
 - before training, every run edits its parameters on rank 0 inside
   ``gathered_parameters(modifier_rank=0)`` and runs a forward without gradients.
 
@@ -75,30 +78,41 @@ def _resident_during_backward(model) -> list[int]:
     return seen
 
 
-def _train(model, opt, where: str, label: str) -> dict:
+def _train(model, opt, scheduler, where: str, label: str) -> dict:
     tier = state_of(model).params_tier
     seen = _resident_during_backward(model)
     losses, between = [], []
-    for x, y in parity.batches(STEPS):
+    for step, (x, y) in enumerate(parity.batches(STEPS)):
         x, y = parity.local_slice(x), parity.local_slice(y)
         half = x.shape[0] // 2
+        if step == 1:  # a batch the loop throws away (a bad one): its gradients must go
+            model(x[:half], y[:half]).mul(3.0).backward()
+            model.zero_grad()
         for part in (slice(0, half), slice(half, None)):  # accumulation: two micro-steps
             loss = model(x[part], y[part]) / 2
             loss.backward()
         opt.clip_grad_value_(0.05)
         opt.clip_grad_norm_(0.5)
         opt.step()
-        opt.zero_grad()
+        scheduler.step()
+        model.zero_grad() if step % 2 else opt.zero_grad()  # users' loops do either
         losses.append(parity.mean_over_ranks(loss.item()))
         if tier is not None:
             tier.drain()
             between.append(tier.resident_bytes)
+    # Gradients zeroed and none since: a parked shard is not read back stale.
+    model(x[:half], y[:half]).backward()
+    opt.zero_grad()
+    norm_after_zero = float(opt.clip_grad_norm_(1.0))
+    if tier is not None:  # a shard's write in flight still holds its memory until it lands
+        tier.drain()
     measured, estimated = footprint(opt), estimate_sharded(opt)
     full = zerolite.full_state_dict(model, rank0_only=False, masters=True)
     saved = ckpt.save(os.path.join(where, label), model, opt)
     dist.barrier()
     state = {f.name: load_file(f) for f in sorted(saved.glob("*.safetensors"))}
     return {"losses": losses, "full": full, "state": state, "between": between,
+            "norm_after_zero": norm_after_zero,
             "most_in_backward": max(seen, default=0),
             "capacity": 0 if tier is None else tier.capacity,
             "measured": measured, "estimated": estimated}
@@ -113,7 +127,9 @@ def _run(config: zerolite.ZeroConfig, meta: bool, checkpointed: bool, where: str
         model = parity.make_model()
     if checkpointed:
         checkpoint_blocks(model)
-    opt = zerolite.shard(model, parity.make_optimizer("AdamW", model), config)
+    inner = parity.make_optimizer("AdamW", model)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(inner, lambda s: 1.0 / (1 + s))
+    opt = zerolite.shard(model, inner, config)
     # An edit on rank 0 inside gathered_parameters reaches every rank's (parked) shard.
     with zerolite.gathered_parameters(model, modifier_rank=0), torch.no_grad():
         if dist.get_rank() == 0:
@@ -121,7 +137,7 @@ def _run(config: zerolite.ZeroConfig, meta: bool, checkpointed: bool, where: str
                 p.mul_(0.5)
     with torch.no_grad():  # a forward without gradients (generation's), before training
         model(*[parity.local_slice(t) for t in parity.batches(1)[0]])
-    return _train(model, opt, where, label)
+    return _train(model, opt, scheduler, where, label)
 
 
 def _parity(where: str) -> dict:
@@ -159,6 +175,7 @@ def test_bitwise_with_and_without_offload_params(parity_runs, name):
     for rank, runs in enumerate(parity_runs):
         tiered, plain = runs[name]
         assert tiered["losses"] == plain["losses"], (rank, tiered["losses"], plain["losses"])
+        assert tiered["norm_after_zero"] == plain["norm_after_zero"] == 0.0, rank
         assert _same(tiered["full"], plain["full"]), rank
         assert _same(tiered["state"], plain["state"]), rank
         assert len(tiered["state"]) > 0
@@ -197,13 +214,20 @@ def _tiered(where: str, tiered: bool) -> zerolite.ZeroConfig:
     return _config(where, param_dtype=torch.bfloat16, offload="disk", **kw)
 
 
+def _sharded_with_scheduler(where: str, tiered: bool, seed: int = 0):
+    model = parity.make_model(seed=seed)
+    inner = parity.make_optimizer("AdamW", model)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(inner, lambda s: 1.0 / (1 + s))
+    return model, zerolite.shard(model, inner, _tiered(where, tiered)), scheduler
+
+
 def _save_at_two(where: str) -> None:
     for tiered in (True, False):
-        model = parity.make_model()
-        opt = zerolite.shard(model, parity.make_optimizer("AdamW", model), _tiered(where, tiered))
-        parity.train(model, opt, parity.batches(2), sliced=True)
+        model, opt, scheduler = _sharded_with_scheduler(where, tiered)
+        parity.train(model, opt, parity.batches(2), sliced=True, before_step=scheduler.step)
         blocking = not tiered  # the tiered one saves asynchronously
-        pending = ckpt.save(os.path.join(where, f"saved-{tiered}"), model, opt, blocking=blocking)
+        pending = ckpt.save(os.path.join(where, f"saved-{tiered}"), model, opt,
+                            schedulers=[scheduler], blocking=blocking)
         if not blocking:
             pending.wait()
 
@@ -212,11 +236,12 @@ def _load_at_three(where: str) -> dict:
     out = {}
     for saved in (True, False):
         for tiered in (True, False):
-            model = parity.make_model(seed=7)  # other values: the load must replace them
-            opt = zerolite.shard(model, parity.make_optimizer("AdamW", model),
-                                 _tiered(where, tiered))
-            ckpt.load(os.path.join(where, f"saved-{saved}"), model, opt)
-            losses = parity.train(model, opt, parity.batches(4)[2:], sliced=True)
+            # Other values (seed 7): the load must replace them, the scheduler's position too.
+            model, opt, scheduler = _sharded_with_scheduler(where, tiered, seed=7)
+            ckpt.load(os.path.join(where, f"saved-{saved}"), model, opt, schedulers=[scheduler])
+            assert scheduler.last_epoch == 2, scheduler.last_epoch
+            losses = parity.train(model, opt, parity.batches(4)[2:], sliced=True,
+                                  before_step=scheduler.step)
             out[(saved, tiered)] = (losses, zerolite.full_state_dict(model, rank0_only=False))
     return out
 

@@ -51,7 +51,7 @@ from zerolite.plan.offload import (
 )
 from zerolite.plan.optimizers import NAMED, build_named, name_of, spec_of
 from zerolite.plan.owners import assign_owners
-from zerolite.plan.param_offload import aligned
+from zerolite.plan.param_offload import arena_bytes
 from zerolite.plan.quantization import residual_numel
 from zerolite.plan.shard_plan import ShardPlan, plan_layout
 from zerolite.plan.stages import STAGES
@@ -172,10 +172,10 @@ def _parked(buffers: list[_Buffer], frozen: list[FlatLayout], config: ZeroConfig
             rank: int) -> int:
     """Bytes of ``offload_params``' arena: every parameter and gradient shard, aligned as
     `zerolite.plan.param_offload` lays them."""
-    p, g = _size(config.param_dtype), _size(config.grad_dtype)
     shards = [b.layout.shard_size(rank) for b in buffers]
-    return sum(aligned(n * p) + aligned(n * g) for n in shards) + sum(
-        aligned(f.shard_numel * p) for f in frozen)
+    return arena_bytes([(n, config.param_dtype) for n in shards]
+                       + [(f.shard_numel, config.param_dtype) for f in frozen]
+                       + [(n, config.grad_dtype) for n in shards])
 
 
 def estimate(

@@ -216,10 +216,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 self._step_masters(waiting)
                 waiting = []
             if tiered:  # written back only if the unscale/clip factor was applied in place
-                factor_applied = shard.dtype == torch.float32 and (
-                    self.loss_scaler is not None or self._clipped
-                )
-                park_bucket(bucket, grad_changed=factor_applied)
+                park_bucket(bucket, grad_changed=shard.dtype == torch.float32
+                            and self._factor_pending)
             if master.flat.replicated:  # stage 3 keeps parameters sharded: nothing to gather
                 gathers.append(master.flat.all_gather())
         self._step_masters(waiting)
@@ -259,9 +257,14 @@ class ShardedOptimizer(torch.optim.Optimizer):
         The factor is applied after the upcast: in 16 bits, 1/scale would flush small
         gradients to zero (what loss scaling exists to prevent)."""
         grad = shard if shard.dtype == torch.float32 else shard.float()
-        if self.loss_scaler is not None or self._clipped:
+        if self._factor_pending:
             grad.mul_(self._grad_factor)  # a CPU scalar: no copy to the device, no sync
         return grad
+
+    @property
+    def _factor_pending(self) -> bool:
+        """Whether `_fp32_gradient` multiplies by ``_grad_factor`` (fp16, or a norm clip)."""
+        return self.loss_scaler is not None or self._clipped
 
     def _grad_shards(self, changes: bool = False) -> Sequence[torch.Tensor]:
         """Every bucket's gradient shard, in bucket order, for one walk over them: with

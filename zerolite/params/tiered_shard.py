@@ -55,8 +55,6 @@ class Arena(Protocol):
 
     def write(self, offset: int, src: torch.Tensor) -> None: ...
 
-    def close(self) -> None: ...
-
 
 class ShardTier:
     """The arena that parks shards, its byte layout and its two threads.
@@ -154,11 +152,6 @@ class ShardTier:
         for t in self.tensors:
             t.settle()
 
-    def close(self) -> None:
-        self.drain()
-        self.arena.close()
-        _shutdown(self._threads)
-
 
 class TieredTensor:
     """One tensor's home on a `ShardTier` (see the module docstring).
@@ -183,10 +176,6 @@ class TieredTensor:
         # The values are all zero (`clear`): a fetch fills zeros instead of reading.
         self.zeros = False
         self._pending: Future | None = None  # a read-ahead or a write in flight
-
-    @property
-    def nbytes(self) -> int:
-        return self._nbytes
 
     def settle(self) -> None:
         """Wait for this tensor's read or write in flight (re-raising its error)."""
@@ -311,11 +300,15 @@ class _OneAtATime(Sequence[torch.Tensor]):
         for i, t in enumerate(self._tiered):
             if i + 1 < len(self._tiered):
                 self._tiered[i + 1].read_ahead()
-            yield t.fetch()
-            if not was_resident[i]:
-                t.park(dirty=self._dirty)
-            elif self._dirty:
-                t.mark_dirty()
+            # In `finally`: a walk may stop without asking for more (``zip`` with a shorter
+            # sequence stops after the last tensor): closing the generator parks it.
+            try:
+                yield t.fetch()
+            finally:
+                if not was_resident[i]:
+                    t.park(dirty=self._dirty)
+                elif self._dirty:
+                    t.mark_dirty()
 
 
 _TRIM_BYTES = 64 << 20  # parked since the last trim, before the next: one call per so much

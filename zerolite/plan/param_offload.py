@@ -18,7 +18,7 @@ from zerolite.plan.owners import assign_owners
 if TYPE_CHECKING:
     from zerolite.plan.shard_plan import ShardPlan
 
-__all__ = ["ALIGN", "aligned", "parked_shards", "param_tier_bytes"]
+__all__ = ["ALIGN", "aligned", "arena_bytes", "parked_shards", "param_tier_bytes"]
 
 ALIGN = 64  # bytes: where each parked shard starts in the arena
 
@@ -46,5 +46,9 @@ def parked_shards(
 
 def param_tier_bytes(plan: ShardPlan, config: ZeroConfig, *, rank: int, world_size: int) -> int:
     """Bytes the ``offload_params`` arena of rank ``rank`` needs (0 without it)."""
-    shards = parked_shards(plan, config, rank=rank, world_size=world_size)
+    return arena_bytes(parked_shards(plan, config, rank=rank, world_size=world_size))
+
+
+def arena_bytes(shards: list[tuple[int, torch.dtype]]) -> int:
+    """Bytes an arena holding shards of these ``(numel, dtype)`` needs, each aligned."""
     return sum(aligned(numel * dtype.itemsize) for numel, dtype in shards)
