@@ -12,6 +12,10 @@ system) are printed, and the pick of the last round:
 Both are built on fake tensors by the planner: nothing is allocated.
 
     python benchmarks/plan_time.py [--cases gpt2,llama-7b] [--rounds 3] [--tree DIR]
+                                   [--workers 1,2]
+
+``--workers`` times ``zerolite plan --workers N`` for each N given, the settings
+interleaved within each round (default: the command's own default, all the CPUs).
 
 ``--tree`` runs the command from another checkout (its ``zerolite`` first on the path),
 e.g. an older commit's worktree, to time the same cases before a change; the model
@@ -68,14 +72,17 @@ def llama_inputs(micro_batch: int) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "labels": ids}
 
 
-def _round(case: str, tree: Path) -> tuple[float, float, dict]:
+def _round(case: str, tree: Path, workers: str) -> tuple[float, float, dict]:
     """One ``zerolite plan`` process: (wall s, CPU s, the pick)."""
     env = dict(os.environ, HF_HUB_OFFLINE="1",
                PYTHONPATH=os.pathsep.join([str(tree), str(Path(__file__).parent)]))
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     started = time.perf_counter()
-    done = subprocess.run([sys.executable, "-m", "zerolite", "plan", *CASES[case], "--json"],
-                          env=env, cwd=tree, capture_output=True, text=True)
+    extra = ["--workers", workers] if workers else []
+    done = subprocess.run(
+        [sys.executable, "-m", "zerolite", "plan", *CASES[case], *extra, "--json"],
+        env=env, cwd=tree, capture_output=True, text=True,
+    )
     wall = time.perf_counter() - started
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     if done.returncode not in (0, 1):  # 1: nothing fits, still an answer
@@ -89,16 +96,25 @@ def main() -> None:
     parser.add_argument("--cases", default="gpt2,llama-7b")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--tree", type=Path, default=ROOT)
+    parser.add_argument("--workers", default="",
+                        help="comma-separated --workers values (default: the command's)")
     args = parser.parse_args()
-    print(f"{'case':10s} {'rounds':>6s} {'wall (median)':>14s} {'CPU (median)':>13s}  pick")
+    settings = args.workers.split(",") if args.workers else [""]
+    print(f"{'case':10s} {'workers':>7s} {'rounds':>6s} {'wall (median)':>14s} "
+          f"{'CPU (median)':>13s}  pick")
     for case in args.cases.split(","):
-        times = [_round(case, args.tree.resolve()) for _ in range(args.rounds)]
-        pick = times[-1][2]
-        what = (f"{pick['config']}, micro-batch {pick['micro_batch']} x "
-                f"{pick['accumulation']}, ckpt {pick['activation_checkpointing']}, "
-                f"{'fits' if pick['fits'] else 'nothing fits'}")
-        print(f"{case:10s} {args.rounds:6d} {statistics.median(t[0] for t in times):13.1f}s "
-              f"{statistics.median(t[1] for t in times):12.1f}s  {what}", flush=True)
+        times: dict[str, list] = {w: [] for w in settings}
+        for _ in range(args.rounds):
+            for w in settings:
+                times[w].append(_round(case, args.tree.resolve(), w))
+        for w, runs in times.items():
+            pick = runs[-1][2]
+            what = (f"{pick['config']}, micro-batch {pick['micro_batch']} x "
+                    f"{pick['accumulation']}, ckpt {pick['activation_checkpointing']}, "
+                    f"{'fits' if pick['fits'] else 'nothing fits'}")
+            print(f"{case:10s} {w or 'default':>7s} {args.rounds:6d} "
+                  f"{statistics.median(t[0] for t in runs):13.1f}s "
+                  f"{statistics.median(t[1] for t in runs):12.1f}s  {what}", flush=True)
 
 
 if __name__ == "__main__":

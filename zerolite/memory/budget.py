@@ -23,8 +23,11 @@ whole search would make:
 - within a combination micro-batch 1 is tried first (most combinations searched are
   rejected by it), then the whole batch, then the halves in between by bisection (the
   peak grows with the micro-batch);
-- each prediction simulates few micro-steps ([Note: micro-steps simulated] in
-  `zerolite.memory.predict`).
+- each simulation stops once the rank holds more than the budget ([Note: stopped
+  simulation] in `zerolite.memory.predict`), and simulates few micro-steps ([Note:
+  micro-steps simulated] there);
+- with ``workers``, other processes predict ahead of the search ([Note: predictions
+  ahead] in `zerolite.memory.prediction_pool`).
 
 ``exhaustive=True`` predicts every combination at every micro-batch, as a check.
 
@@ -61,12 +64,19 @@ import torch
 from torch import nn
 
 from zerolite.config import ZeroConfig
-from zerolite.memory.budget_bounds import shared_fractions, state_bounds
+from zerolite.memory.budget_bounds import StateBound, shared_fractions, state_bounds
 from zerolite.memory.budget_entry import PlanEntry
-from zerolite.memory.budget_search import SKIPPED, Candidate, pruned, search
+from zerolite.memory.budget_search import (
+    SKIPPED,
+    Candidate,
+    larger_after_fit,
+    pruned,
+    search,
+)
 from zerolite.memory.loop import OptimizerChoice
 from zerolite.memory.peak_report import PeakPrediction
 from zerolite.memory.predict import predict_peak
+from zerolite.memory.prediction_pool import prediction_pool
 
 __all__ = ["PlanEntry", "plan"]
 
@@ -91,6 +101,7 @@ def plan(
     max_grad_norm: float | None = 1.0,
     device: str = "cpu",
     exhaustive: bool = False,
+    workers: int = 1,
 ) -> list[PlanEntry]:
     """Every configuration considered, those that fit first, cheapest first ([Note: plan
     cost]); then the rejected ones, least over the budget first. Single process, no
@@ -119,6 +130,8 @@ def plan(
         device: as for `predict_peak`; ``memory`` is of this device.
         exhaustive: predict every combination at every micro-batch ([Note: pruned
             search]: the same pick, without the skipped and arithmetic rejections).
+        workers: forked processes predicting ahead of the pruned search ([Note:
+            predictions ahead]: the same plan, sooner); 1: this process alone.
     Returns:
         `PlanEntry`s; ``entries[0]`` is the one to use when ``entries[0].fits``. Then
         the rejected ones, least over the budget first, then the skipped ones.
@@ -132,25 +145,44 @@ def plan(
                              shard_group_sizes, offload_dir or tempfile.gettempdir())
     base = ZeroConfig() if base is None else base
 
-    def direct(kw: dict[str, Any], m: int, a: int, c: bool) -> PeakPrediction:
+    def direct(kw: dict[str, Any], m: int, a: int, c: bool, stop: int | None) -> PeakPrediction:
         return predict_peak(
             model_fn, batch_fn, dataclasses.replace(base, **kw), world_size,
             micro_batch=m, accumulation=a, activation_checkpointing=c,
-            optimizer=optimizer, max_grad_norm=max_grad_norm, device=device,
+            optimizer=optimizer, max_grad_norm=max_grad_norm, device=device, stop_above=stop,
         )
 
     if exhaustive:
         entries = [search(memory, batch, kw, c, direct) for kw, c in candidates]
     else:
-        bounds = state_bounds(model_fn, [_config(base, kw) for kw, _ in candidates],
-                              world_size, optimizer, device)
+        bounds = _bounds(model_fn, base, candidates, world_size, optimizer, device)
         shared = shared_fractions(direct, [kw for kw, _ in candidates], bounds)
-        entries = pruned(memory, batch, candidates, bounds, shared)
+        with prediction_pool(shared, workers, larger_after_fit) as pool:
+            entries = pruned(memory, batch, candidates, bounds, pool, pool.ahead)
+    return _in_plan_order(entries)
+
+
+def _in_plan_order(entries: list[PlanEntry]) -> list[PlanEntry]:
+    """Those that fit, cheapest first; the rejected, least over first; the skipped."""
     fits = sorted((e for e in entries if e.fits), key=PlanEntry.cost)
     skipped = [e for e in entries if (e.reason or "").startswith(SKIPPED)]
     rejected = sorted((e for e in entries if not e.fits and not (e.reason or "").startswith(
         SKIPPED)), key=lambda e: e.peak_bytes)
     return fits + rejected + skipped
+
+
+def _bounds(
+    model_fn: Callable[[], nn.Module], base: ZeroConfig, candidates: list[Candidate],
+    world_size: int, optimizer: OptimizerChoice, device: str,
+) -> list[StateBound | None]:
+    """Each candidate's `StateBound`, computed once per configuration (checkpointing is no
+    `ZeroConfig` setting: its values share one)."""
+    keys = [tuple(sorted(kw.items())) for kw, _ in candidates]
+    configs = list(dict.fromkeys(keys))
+    found = dict(zip(configs, state_bounds(
+        model_fn, [_config(base, dict(key)) for key in configs], world_size, optimizer,
+        device)))
+    return [found[key] for key in keys]
 
 
 def _candidates(

@@ -32,8 +32,9 @@ from zerolite.plan.offload import OffloadPlan
 
 __all__ = ["StateBound", "shared_fractions", "state_bounds"]
 
-# (ZeroConfig keyword arguments, micro-batch, accumulation, checkpointing) -> prediction
-_Predict = Callable[[dict[str, Any], int, int, bool], PeakPrediction]
+# (ZeroConfig keyword arguments, micro-batch, accumulation, checkpointing, stop_above) ->
+# prediction
+_Predict = Callable[[dict[str, Any], int, int, bool, int | None], PeakPrediction]
 
 _PARTS = ("params", "grads", "master", "optimizer_state", "residual")
 
@@ -107,16 +108,20 @@ def shared_fractions(predict: _Predict, kwargs: Sequence[dict[str, Any]],
              if b is not None and b.offload_plan is not None}
     seen: dict[tuple, PeakPrediction] = {}
 
-    def shared(kw: dict[str, Any], micro: int, accumulation: int,
-               ckpt: bool) -> PeakPrediction:
+    def shared(kw: dict[str, Any], micro: int, accumulation: int, ckpt: bool,
+               stop_above: int | None) -> PeakPrediction:
         key = _without_fraction(kw)
         plan = plans.get(key)
         if plan is None:
-            return predict(kw, micro, accumulation, ckpt)
+            return predict(kw, micro, accumulation, ckpt, stop_above)
         key = (key[1], plan, micro, accumulation, ckpt)
-        if key not in seen:
-            seen[key] = predict(kw, micro, accumulation, ckpt)
-        return seen[key]
+        # A whole prediction (None) answers every question; a stopped one, its limit's.
+        for limit in (None, stop_above):
+            if (key, limit) in seen:
+                return seen[(key, limit)]
+        p = predict(kw, micro, accumulation, ckpt, stop_above)
+        seen[(key, None if p.complete else stop_above)] = p
+        return p
     return shared
 
 

@@ -24,6 +24,7 @@ from zerolite.ground.dtype_names import DTYPE_NAMES
 from zerolite.memory.budget import PlanEntry, plan
 from zerolite.memory.commands import load_function
 from zerolite.memory.peak_report import human_bytes
+from zerolite.memory.prediction_pool import default_workers
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40}
@@ -116,6 +117,10 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
                         help="activation checkpointing: off,on (default both)")
     parser.add_argument("--offload-dir", default=None,
                         help="a disk tier's directory (default: the temporary directory)")
+    parser.add_argument("--workers", type=_positive, default=default_workers(),
+                        help="processes predicting ahead of the search; the plan is the same "
+                             "at any number (default: the CPUs this process may use; 1: this "
+                             "process alone)")
     parser.add_argument("--json", action="store_true",
                         help="print the list as JSON, cheapest first")
 
@@ -149,7 +154,7 @@ def run_plan(args: argparse.Namespace) -> int:
         param_dtypes=args.param_dtypes, offloads=args.offload,
         offload_params=args.offload_params, checkpointing=args.checkpointing,
         offload_fractions=args.offload_fractions, shard_group_sizes=args.shard_group_sizes,
-        offload_dir=args.offload_dir, device=args.device,
+        offload_dir=args.offload_dir, device=args.device, workers=args.workers,
     )
     if args.json:
         print(json.dumps([e.to_json() for e in entries], indent=2))

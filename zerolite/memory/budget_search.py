@@ -13,10 +13,15 @@ from zerolite.memory.budget_bounds import StateBound
 from zerolite.memory.budget_entry import PlanEntry, tier_order
 from zerolite.memory.peak_report import PeakPrediction, human_bytes
 
-__all__ = ["Candidate", "SKIPPED", "pruned", "search"]
+__all__ = ["Candidate", "SKIPPED", "larger_after_fit", "pruned", "search"]
 
-# (ZeroConfig keyword arguments, micro-batch, accumulation, checkpointing) -> prediction
-Predict = Callable[[dict[str, Any], int, int, bool], PeakPrediction]
+# (ZeroConfig keyword arguments, micro-batch, accumulation, checkpointing, stop_above) ->
+# prediction (`predict_peak`'s ``stop_above``: None for a whole one)
+Predict = Callable[[dict[str, Any], int, int, bool, int | None], PeakPrediction]
+# Requests (`Predict`'s arguments) `plan` will probably make, and whether they come
+# before those already queued ([Note: predictions ahead] in
+# `zerolite.memory.prediction_pool`).
+Ahead = Callable[[list[tuple], bool], None]
 SKIPPED = "skipped"
 _AT_FLOOR = "needs at least"
 Candidate = tuple[dict[str, Any], bool]  # ZeroConfig keyword arguments, checkpointing
@@ -33,9 +38,20 @@ def _micro_batches(batch: int) -> list[int]:
     return out
 
 
+def larger_after_fit(request: tuple, prediction: PeakPrediction) -> list[tuple]:
+    """The requests `search` makes once micro-batch 1 of a combination fits: its larger
+    micro-batches (the same ``stop_above``); none for another request or answer."""
+    kwargs, micro, batch, ckpt, stop_above = request
+    if micro != 1 or not prediction.complete or (
+            stop_above is not None and prediction.peak > stop_above):
+        return []
+    return [(kwargs, m, batch // m, ckpt, stop_above) for m in _micro_batches(batch)[:-1]]
+
+
 def search(
     memory: int, batch: int, kwargs: dict[str, Any], ckpt: bool, predict: Predict,
     *, pruned: bool = False, floor: Callable[[int], Floor | None] = lambda micro: None,
+    stop_above: int | None = None, ahead: Ahead = lambda requests, first: None,
 ) -> PlanEntry:
     """The largest micro-batch of one combination that fits, or the rejection.
 
@@ -44,7 +60,10 @@ def search(
     ``pruned``: 1 first (most combinations searched are rejected, by that one
     prediction), then the whole batch, then bisection; a micro-batch whose ``floor`` (a
     lower bound of its peak and what it is made of, or None) is over the budget is over
-    without a prediction."""
+    without a prediction. ``stop_above``: each simulation stops once the rank holds more
+    than this (at least ``memory``; [Note: stopped simulation] in
+    `zerolite.memory.predict`). Once micro-batch 1 fits, the larger ones are asked for
+    ``ahead``."""
     sizes = _micro_batches(batch)
     tried: dict[int, PeakPrediction] = {}
     floors: dict[int, Floor] = {}
@@ -57,7 +76,10 @@ def search(
             floors[micro] = least
             return True
         asked.append(micro)
-        tried[micro] = predict(kwargs, micro, batch // micro, ckpt)
+        tried[micro] = predict(kwargs, micro, batch // micro, ckpt, stop_above)
+        if micro == 1 and tried[micro].peak <= memory:
+            ahead([(kwargs, m, batch // m, ckpt, stop_above) for m in sizes[:-1]
+                   if (floor(m) or (0,))[0] <= memory], True)
         return tried[micro].peak > memory
 
     try:
@@ -71,6 +93,13 @@ def search(
         return _over_at_floor(kwargs, ckpt, floors[sizes[-1]], memory, batch)
     smallest = tried[sizes[-1]]
     over_by = smallest.peak - memory
+    if not smallest.complete:
+        return _entry(kwargs, smallest, False, (
+            f"{_AT_FLOOR} {human_bytes(smallest.peak)} at micro-batch "
+            f"{smallest.micro_batch}, over the budget ({human_bytes(memory)}): its "
+            f"simulation stopped there, most of it {_largest(smallest)} (not predicted "
+            "further)"
+        ))
     return _entry(kwargs, smallest, False, (
         f"needs {human_bytes(smallest.peak)} at micro-batch {smallest.micro_batch}, "
         f"{human_bytes(over_by)} over the budget ({human_bytes(memory)}); most of it "
@@ -113,9 +142,10 @@ def _entry(kwargs: dict[str, Any], p: PeakPrediction, fits: bool, reason: str | 
 
 def pruned(
     memory: int, batch: int, candidates: list[Candidate], bounds: list[StateBound | None],
-    predict: Predict,
+    predict: Predict, ahead: Ahead = lambda requests, first: None,
 ) -> list[PlanEntry]:
-    """[Note: pruned search]: the entries of ``candidates``, in their order."""
+    """[Note: pruned search]: the entries of ``candidates``, in their order. Each traced
+    one's micro-batch 1 is asked for ``ahead`` at once."""
     entries: list[PlanEntry | None] = [None] * len(candidates)
     traced = []
     for i, ((kwargs, ckpt), bound) in enumerate(zip(candidates, bounds)):
@@ -134,13 +164,16 @@ def pruned(
 
     floors = _ActivationFloors(predict)
     fitting: PlanEntry | None = None
-    for _, members in itertools.groupby(sorted(traced, key=group), key=group):
+    order = sorted(traced, key=group)
+    ahead([(candidates[i][0], 1, batch, candidates[i][1], memory) for i in order], False)
+    for _, members in itertools.groupby(order, key=group):
         for i in members:
             kwargs, ckpt = candidates[i]
             bound = bounds[i]
             entry = (
                 search(memory, batch, kwargs, ckpt, floors.predict, pruned=True,
-                       floor=floors.floor(kwargs, ckpt, bound))
+                       floor=floors.floor(kwargs, ckpt, bound), stop_above=memory,
+                       ahead=ahead)
                 if fitting is None else _skipped(kwargs, ckpt, batch, fitting)
             )
             if bound is not None and (entry.reason or "").startswith(_AT_FLOOR):
@@ -161,14 +194,23 @@ def _predict_least_over(
 ) -> None:
     """Nothing fits: the first entry `plan` lists is the least over the budget, so it must
     be a prediction, not a bound. While the least is a bound (a lower bound of its peak:
-    its model states, or its floor), predict that one (in place) and look again."""
+    its model states, its floor, or a stopped simulation), predict that one (in place),
+    stopped above the least peak predicted so far (a stopped one is not the least), and
+    look again. Each is predicted once: its bound then is at least that peak, which only
+    falls."""
     while True:
         least = min(range(len(entries)), key=lambda i: entries[i].peak_bytes)  # type: ignore[union-attr]
-        reason = entries[least].reason or ""  # type: ignore[union-attr]
-        if "(not predicted" not in reason:
+        if not _is_bound(entries[least]):  # type: ignore[arg-type]
             return
+        known = [e.peak_bytes for e in entries if e is not None and not _is_bound(e)]
         kwargs, ckpt = candidates[least]
-        entries[least] = search(memory, batch, kwargs, ckpt, predict, pruned=True)
+        entries[least] = search(memory, batch, kwargs, ckpt, predict, pruned=True,
+                                stop_above=min(known, default=None))
+
+
+def _is_bound(entry: PlanEntry) -> bool:
+    """Whether the entry's peak is a lower bound, not a prediction."""
+    return "(not predicted" in (entry.reason or "")
 
 
 class _ActivationFloors:
@@ -178,7 +220,9 @@ class _ActivationFloors:
     same three holds them at some moment of its step, on top of what it holds at every
     moment (`StateBound.persistent`: parameters, masters, optimizer state, a resident
     arena), so that sum is a lower bound of its peak, and of its peak at any larger
-    micro-batch.
+    micro-batch. A stopped simulation ([Note: stopped simulation] in
+    `zerolite.memory.predict`) saw a part of them, a lower bound too: it is used where no
+    whole prediction of the three is known.
 
     [Note: step floor] Each prediction's peak of the ``"step"`` phase is kept too, per
     configuration (its `ZeroConfig` keyword arguments) and micro-batch. That phase is
@@ -193,13 +237,17 @@ class _ActivationFloors:
     def __init__(self, predict: Predict) -> None:
         self._predict = predict
         self._seen: dict[tuple, int] = {}
+        self._partial: dict[tuple, int] = {}  # from stopped simulations
         self._steps: dict[tuple, int] = {}  # (configuration, micro-batch) -> step peak
 
     def predict(self, kwargs: dict[str, Any], micro: int, accumulation: int,
-                ckpt: bool) -> PeakPrediction:
-        p = self._predict(kwargs, micro, accumulation, ckpt)
+                ckpt: bool, stop_above: int | None) -> PeakPrediction:
+        p = self._predict(kwargs, micro, accumulation, ckpt, stop_above)
         key = (kwargs["param_dtype"], ckpt, micro)
-        self._seen[key] = min(self._seen.get(key, p.activations_peak), p.activations_peak)
+        if p.complete:
+            self._seen[key] = min(self._seen.get(key, p.activations_peak), p.activations_peak)
+        else:  # a stopped simulation saw part of them: a lower bound of them
+            self._partial[key] = max(self._partial.get(key, 0), p.activations_peak)
         if "step" in p.by_phase:
             self._steps[(_frozen(kwargs), micro)] = p.by_phase["step"]
         return p
@@ -209,7 +257,7 @@ class _ActivationFloors:
         config = _frozen(kwargs)
 
         def at(micro: int) -> Floor | None:
-            seen = [n for (dtype, c, m), n in self._seen.items()
+            seen = [n for (dtype, c, m), n in {**self._partial, **self._seen}.items()
                     if dtype == kwargs["param_dtype"] and c == ckpt and m <= micro]
             steps = [(n, m) for (k, m), n in self._steps.items() if k == config and m <= micro]
             floors = [(max(steps)[0], _STEP_FLOOR.format(micro=max(steps)[1]))] if steps else []

@@ -26,7 +26,7 @@ from types import CodeType
 
 import torch
 
-__all__ = ["CATEGORIES", "PHASES", "StorageLedger"]
+__all__ = ["CATEGORIES", "PHASES", "LimitPassed", "StorageLedger"]
 
 CATEGORIES: dict[str, str] = {
     "params": "parameter storage: flat buffers or their shards, other parameters, buffers",
@@ -52,6 +52,14 @@ CATEGORIES: dict[str, str] = {
 # The phases of a training step, in order; "build" (making the model and shard()) is logged
 # too but is not part of a step.
 PHASES = ("forward", "backward", "step")
+
+
+
+class LimitPassed(BaseException):
+    """The live bytes passed the ledger's ``stop_above`` in a step phase ([Note: stopped
+    simulation] in `zerolite.memory.predict`). A `BaseException`, so that no ``except
+    Exception`` of the code simulated turns it into an error of its own."""
+
 
 _PHASE_CATEGORY = {
     "build": "params", "inputs": "inputs", "forward": "activations", "backward": "backward",
@@ -111,14 +119,18 @@ class StorageLedger:
             tier of a CPU model); a disk tier is simulated by a host arena that is not.
         granularity: each storage counts its bytes rounded up to a multiple of this (the
             CUDA caching allocator hands out multiples of 512 bytes).
+        stop_above: bytes; an allocation that takes the live total above it in a phase of
+            `PHASES` raises `LimitPassed` once it is logged (None: never).
     """
 
     def __init__(
-        self, device_type: str, *, arena_resident: bool = True, granularity: int = 1
+        self, device_type: str, *, arena_resident: bool = True, granularity: int = 1,
+        stop_above: int | None = None,
     ) -> None:
         self.device_type = device_type
         self.arena_resident = arena_resident
         self.granularity = granularity
+        self.stop_above = stop_above
         self.phase = "build"
         self.total = 0
         # Per phase: (largest total, index of the event that reached it).
@@ -186,6 +198,9 @@ class StorageLedger:
         best = self.peaks.get(self.phase)
         if best is None or self.total > best[0]:
             self.peaks[self.phase] = (self.total, len(self.events) - 1)
+            if (opened and self.stop_above is not None and self.total > self.stop_above
+                    and self.phase in PHASES):
+                raise LimitPassed
 
     def _site(self) -> str:
         """[Note: categories]: the category of an allocation made now."""

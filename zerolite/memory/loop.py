@@ -4,6 +4,7 @@ so the prediction and the measurement it is held against are the same loop::
     for _ in range(accumulation):
         loss = model(**batch_fn(micro_batch))          # or its .loss
         (loss / accumulation).backward()
+        after_backward()
     opt.clip_grad_norm_(max_grad_norm)                 # when max_grad_norm is not None
     opt.step()
     opt.zero_grad()
@@ -73,11 +74,13 @@ def train_step(
     model: nn.Module, opt: ShardedOptimizer, batch_fn: Callable[[int], Any], micro_batch: int,
     accumulation: int, max_grad_norm: float | None, device: str | torch.device,
     on_phase: Callable[[str], None] = lambda phase: None,
+    after_backward: Callable[[], None] = lambda: None,
 ) -> None:
     """One optimizer step of the module docstring's loop. ``on_phase`` is told where
     `zerolite.memory.track` sees each phase begin: forward when the model is called,
     backward when a gradient reaches the model's outputs, step at ``step()`` (the batch is
-    made in the phase before; the gradients' reduction and clipping are backward's)."""
+    made in the phase before; the gradients' reduction and clipping are backward's).
+    ``after_backward`` is called when each micro-step's ``backward()`` returns."""
 
     def backward_begins(grad: torch.Tensor) -> None:
         on_phase("backward")
@@ -91,6 +94,7 @@ def train_step(
         loss = loss_of(output)
         del output  # what the model returned (a transformers cache too) lives no longer
         (loss / accumulation).backward()
+        after_backward()
     if max_grad_norm is not None:
         opt.clip_grad_norm_(max_grad_norm)
     on_phase("step")

@@ -49,6 +49,11 @@ class PeakPrediction:
             tensors: the same for every stage, offload and shard group at the same
             ``param_dtype``, micro-batch and checkpointing ([Note: activation floor] in
             `zerolite.memory.budget_search`).
+        complete: False when the simulation stopped as soon as the rank held more than
+            `predict_peak`'s ``stop_above`` ([Note: stopped simulation] in
+            `zerolite.memory.predict`): ``peak``, ``by_phase``, ``activations_peak`` are
+            then lower bounds, the breakdowns are at the moment it stopped, and
+            ``communication_bytes`` is 0.
     """
 
     peak: int
@@ -67,6 +72,7 @@ class PeakPrediction:
     device: str
     seconds: float
     activations_peak: int = 0
+    complete: bool = True
 
     def __int__(self) -> int:
         return self.peak
@@ -75,6 +81,7 @@ class PeakPrediction:
         c = self.config
         head = (
             f"predicted peak on rank {self.rank} of {self.world_size}: "
+            f"{'' if self.complete else 'more than '}"
             f"{human_bytes(self.peak)} ({self.peak:,} B) in {self.phase}; stage {c.stage}, "
             f"{str(c.param_dtype).removeprefix('torch.')}, micro-batch {self.micro_batch} x "
             f"{self.accumulation}, activation checkpointing "

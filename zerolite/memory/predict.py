@@ -11,7 +11,7 @@ freed (`zerolite.memory.ledger`), so parameters, gradients, masters, optimizer s
 activations, gathered units, buckets, receive buffers, clipping and the optimizer's own
 temporaries are all in the peak, with activation checkpointing, accumulation, offload and
 stage 3's prefetch as they happen. Nothing is allocated: a 7B-parameter model at 8 ranks
-is predicted in about 15 s of CPU time. The peak is the second optimizer step's (the first
+is predicted in 4-10 s of CPU time. The peak is the second optimizer step's (the first
 creates the optimizer state; the second holds it from its start).
 """
 
@@ -30,7 +30,7 @@ from zerolite.config import ZeroConfig
 from zerolite.ground import runtime
 from zerolite.memory.activations import checkpoint_blocks
 from zerolite.memory.fake_step import fake_step
-from zerolite.memory.ledger import PHASES, StorageLedger
+from zerolite.memory.ledger import PHASES, LimitPassed, StorageLedger
 from zerolite.memory.loop import OptimizerChoice, build_sharded, train_step
 from zerolite.memory.peak_report import PeakPrediction
 from zerolite.memory.simulated_world import simulated_world
@@ -40,7 +40,7 @@ from zerolite.plan.optimizers import NAMED
 __all__ = ["predict_peak"]
 
 STEPS = 2  # optimizer steps simulated: the second is the steady state
-_SIMULATED = 3  # micro-steps of the second step run at most ([Note: micro-steps simulated])
+_SIMULATED = 2  # micro-steps of the second step run at most ([Note: micro-steps simulated])
 
 
 def predict_peak(
@@ -57,6 +57,7 @@ def predict_peak(
     rank: int = 0,
     device: str = "cpu",
     every_micro_step: bool = False,
+    stop_above: int | None = None,
 ) -> PeakPrediction:
     """Predict the peak of live tensor bytes on rank ``rank`` of ``world_size`` during a
     training step (see the module docstring for the loop it simulates).
@@ -86,8 +87,11 @@ def predict_peak(
         every_micro_step: simulate all ``accumulation`` micro-steps of both optimizer
             steps; by default the first step runs one and the second at most three, the
             rest counted ([Note: micro-steps simulated]: the same prediction, faster).
+        stop_above: bytes: stop the simulation as soon as the rank holds more than this
+            during a step ([Note: stopped simulation]); None: simulate both steps.
     Returns:
-        A `PeakPrediction`: the peak, its phase, a breakdown by category and by phase.
+        A `PeakPrediction`: the peak, its phase, a breakdown by category and by phase;
+        with ``complete`` False (stopped above ``stop_above``) the peak is a lower bound.
     Raises:
         ValueError: an argument out of range, a config `zerolite.shard` refuses, or
             torch.distributed already initialised in this process.
@@ -98,21 +102,16 @@ def predict_peak(
            optimizer)
     ledger = StorageLedger(
         device, arena_resident=_arena_resident(config, device),
-        granularity=runtime.allocation_granularity(device),
+        granularity=runtime.allocation_granularity(device), stop_above=stop_above,
     )
     started = time.perf_counter()
     with simulated_world(rank, world_size) as world, fake_step(ledger):
-        with torch.device(device):
-            model = model_fn()
-        if not isinstance(model, nn.Module):
-            raise TypeError(f"predict_peak(): model_fn returned {type(model).__name__}, "
-                            "not an nn.Module")
-        if activation_checkpointing:
-            checkpoint_blocks(model)
-        model.train()
-        opt = build_sharded(model, optimizer, _simulated(config, device))
-        sent = _steps(world, ledger, model, opt, batch_fn, micro_batch, accumulation,
-                      max_grad_norm, device, every_micro_step)
+        model, opt = _build(model_fn, activation_checkpointing, optimizer, config, device)
+        try:
+            sent: int | None = _steps(world, ledger, model, opt, batch_fn, micro_batch,
+                                      accumulation, max_grad_norm, device, every_micro_step)
+        except LimitPassed:
+            sent = None
         _name_survivors(ledger, opt)
         tier, params_tier = opt.shard_state.offload, opt.shard_state.params_tier
         offloaded = (0 if tier is None else tier.arena_bytes) + (
@@ -124,6 +123,21 @@ def predict_peak(
                        time.perf_counter() - started)
 
 
+def _build(model_fn: Callable[[], nn.Module], activation_checkpointing: bool,
+           optimizer: OptimizerChoice, config: ZeroConfig,
+           device: str) -> tuple[nn.Module, ShardedOptimizer]:
+    """The simulated rank's model and its sharded optimizer (inside the simulation)."""
+    with torch.device(device):
+        model = model_fn()
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"predict_peak(): model_fn returned {type(model).__name__}, "
+                        "not an nn.Module")
+    if activation_checkpointing:
+        checkpoint_blocks(model)
+    model.train()
+    return model, build_sharded(model, optimizer, _simulated(config, device))
+
+
 def _steps(
     world: Any, ledger: StorageLedger, model: nn.Module, opt: ShardedOptimizer,
     batch_fn: Callable[[int], Any], micro_batch: int, accumulation: int,
@@ -132,32 +146,44 @@ def _steps(
     """[Note: micro-steps simulated] Run the `STEPS` optimizer steps; the bytes sent in
     the last one.
 
-    Micro-steps after the first and before the last of a step start from the same live
-    storages and run the same code (the loop has no ``no_sync``; nothing counts
-    micro-steps), so they allocate, free and send the same bytes. The first step only
-    creates the optimizer state: one micro-step of it is enough (its peaks are never
-    above the second step's, which holds that state throughout). The second runs
-    `_SIMULATED` micro-steps -- first, one middle, last -- and its sends are those plus
-    the middle one's for each micro-step left out. ``every_micro_step`` runs them all
-    (what `tests/memory/test_plan_search.py` holds this against)."""
+    Micro-steps after the first of a step start from the same live storages and run the
+    same code (the loop has no ``no_sync``; nothing counts micro-steps, and clipping and
+    the step come after the last one's backward), so they allocate, free and send the
+    same bytes. The first step only creates the optimizer state: one micro-step of it is
+    enough (its peaks are never above the second step's, which holds that state
+    throughout). The second runs `_SIMULATED` micro-steps -- the first and one after it
+    -- and its sends are those plus the second one's (from its forward to the end of its
+    backward) for each micro-step left out. ``every_micro_step`` runs them all (what
+    `tests/memory/test_plan_search.py` holds this against)."""
     simulated = accumulation if every_micro_step else min(accumulation, _SIMULATED)
-    marks: list[int] = []
+    begun: list[int] = []  # bytes sent so far when each micro-step's forward begins
+    ended: list[int] = []  # ... and when its backward returns
 
     def on_phase(phase: str) -> None:
         if phase == "forward":
-            marks.append(world.sent)
+            begun.append(world.sent)
         ledger.enter(phase)
 
     for step in range(STEPS):
         micro_steps = simulated if step == STEPS - 1 or every_micro_step else 1
-        marks.clear()
+        begun.clear()
+        ended.clear()
         sent = world.sent
         train_step(model, opt, batch_fn, micro_batch, micro_steps, max_grad_norm, device,
-                   on_phase=on_phase)
+                   on_phase=on_phase, after_backward=lambda: ended.append(world.sent))
     sent = world.sent - sent
     if simulated < accumulation:
-        sent += (accumulation - simulated) * (marks[2] - marks[1])
+        sent += (accumulation - simulated) * (ended[1] - begun[1])
     return sent
+
+
+# [Note: stopped simulation] The peak is the most the ledger counts at any moment of the
+# steps' phases, and the ledger only adds up: once the live bytes pass ``stop_above``, the
+# peak is above it whatever happens next. `plan` asks only whether a micro-batch fits, so
+# it stops a simulation there (`LimitPassed`, raised by the allocation that passed it):
+# most micro-batches it tries are over the budget, and they pass it in the first step's
+# forward or backward. What the stopped run saw is a lower bound of everything it
+# reports (peaks, activations, the phases it reached); it sent nothing it can report.
 
 
 def _arena_resident(config: ZeroConfig, device: str) -> bool:
@@ -206,7 +232,7 @@ def _name_survivors(ledger: StorageLedger, opt: ShardedOptimizer) -> None:
 
 
 def _prediction(
-    ledger: StorageLedger, config: ZeroConfig, sent: int, offloaded: int, world_size: int,
+    ledger: StorageLedger, config: ZeroConfig, sent: int | None, offloaded: int, world_size: int,
     rank: int, micro_batch: int, accumulation: int, checkpointing: bool, device: str,
     seconds: float,
 ) -> PeakPrediction:
@@ -215,10 +241,10 @@ def _prediction(
     breakdowns = {p: ledger.breakdown_at(ledger.peaks[p][1]) for p in by_phase}
     return PeakPrediction(
         peak=by_phase[phase], phase=phase, by_phase=by_phase, breakdown=breakdowns[phase],
-        phase_breakdowns=breakdowns, communication_bytes=sent, offloaded=offloaded,
+        phase_breakdowns=breakdowns, communication_bytes=sent or 0, offloaded=offloaded,
         config=config, world_size=world_size, rank=rank, micro_batch=micro_batch,
         accumulation=accumulation, activation_checkpointing=checkpointing, device=device,
-        seconds=seconds, activations_peak=ledger.activations_peak,
+        seconds=seconds, activations_peak=ledger.activations_peak, complete=sent is not None,
     )
 
 

@@ -62,12 +62,12 @@ def find_units(
     is_unit = _is_unit_factory(model, unit_modules)
     names = [name for name, module in model.named_modules() if name and is_unit(module)]
     modules = dict(model.named_modules())
+    unit_names = set(names)
     reached: dict[int, set[str]] = {}
     for module_name, module in model.named_modules(remove_duplicate=False):
-        enclosing = [u for u in names if module_name == u or module_name.startswith(u + ".")]
-        unit_name = max(enclosing, key=len) if enclosing else ""
-        for p in module.parameters(recurse=False):
-            if id(p) in managed:
+        unit_name = _innermost(module_name, unit_names)
+        for p in module._parameters.values():
+            if p is not None and id(p) in managed:
                 reached.setdefault(id(p), set()).add(unit_name)
     # A parameter shared by several units (tied weights) goes to the root, which stays
     # gathered from the start of forward to the end of backward, so every user sees it.
@@ -82,3 +82,12 @@ def find_units(
     units = [Unit(u, modules[u], *split(params_of[u])) for u in names if params_of[u]]
     units.append(Unit("", model, *split(params_of[""])))
     return units
+
+
+def _innermost(module_name: str, unit_names: set[str]) -> str:
+    """The longest of ``unit_names`` that is ``module_name`` or encloses it ("": none)."""
+    while module_name:
+        if module_name in unit_names:
+            return module_name
+        module_name = module_name.rpartition(".")[0]
+    return ""
