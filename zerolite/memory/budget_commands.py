@@ -119,8 +119,8 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a disk tier's directory (default: the temporary directory)")
     parser.add_argument("--workers", type=_positive, default=default_workers(),
                         help="processes predicting ahead of the search; the plan is the same "
-                             "at any number (default: the CPUs this process may use; 1: this "
-                             "process alone)")
+                             "at any number (default: the CPUs this process may use, at "
+                             "most 8; 1: this process alone)")
     parser.add_argument("--json", action="store_true",
                         help="print the list as JSON, cheapest first")
 
