@@ -15,7 +15,7 @@ Both are built on fake tensors by the planner: nothing is allocated.
                                    [--workers 1,2]
 
 ``--workers`` times ``zerolite plan --workers N`` for each N given, the settings
-interleaved within each round (default: the command's own default, all the CPUs).
+interleaved within each round (default: the command's own default, the CPUs, at most 8).
 
 ``--tree`` runs the command from another checkout (its ``zerolite`` first on the path),
 e.g. an older commit's worktree, to time the same cases before a change; the model

@@ -40,7 +40,8 @@ def _micro_batches(batch: int) -> list[int]:
 
 def larger_after_fit(request: tuple, prediction: PeakPrediction) -> list[tuple]:
     """The requests `search` makes once micro-batch 1 of a combination fits: its larger
-    micro-batches (the same ``stop_above``); none for another request or answer."""
+    micro-batches (the same ``stop_above``); none for another request or answer. (The
+    `plan`'s prediction pool asks them ahead as soon as a worker answers.)"""
     kwargs, micro, batch, ckpt, stop_above = request
     if micro != 1 or not prediction.complete or (
             stop_above is not None and prediction.peak > stop_above):
@@ -51,7 +52,7 @@ def larger_after_fit(request: tuple, prediction: PeakPrediction) -> list[tuple]:
 def search(
     memory: int, batch: int, kwargs: dict[str, Any], ckpt: bool, predict: Predict,
     *, pruned: bool = False, floor: Callable[[int], Floor | None] = lambda micro: None,
-    stop_above: int | None = None, ahead: Ahead = lambda requests, first: None,
+    stop_above: int | None = None,
 ) -> PlanEntry:
     """The largest micro-batch of one combination that fits, or the rejection.
 
@@ -62,8 +63,7 @@ def search(
     lower bound of its peak and what it is made of, or None) is over the budget is over
     without a prediction. ``stop_above``: each simulation stops once the rank holds more
     than this (at least ``memory``; [Note: stopped simulation] in
-    `zerolite.memory.predict`). Once micro-batch 1 fits, the larger ones are asked for
-    ``ahead``."""
+    `zerolite.memory.predict`)."""
     sizes = _micro_batches(batch)
     tried: dict[int, PeakPrediction] = {}
     floors: dict[int, Floor] = {}
@@ -77,9 +77,6 @@ def search(
             return True
         asked.append(micro)
         tried[micro] = predict(kwargs, micro, batch // micro, ckpt, stop_above)
-        if micro == 1 and tried[micro].peak <= memory:
-            ahead([(kwargs, m, batch // m, ckpt, stop_above) for m in sizes[:-1]
-                   if (floor(m) or (0,))[0] <= memory], True)
         return tried[micro].peak > memory
 
     try:
@@ -172,8 +169,7 @@ def pruned(
             bound = bounds[i]
             entry = (
                 search(memory, batch, kwargs, ckpt, floors.predict, pruned=True,
-                       floor=floors.floor(kwargs, ckpt, bound), stop_above=memory,
-                       ahead=ahead)
+                       floor=floors.floor(kwargs, ckpt, bound), stop_above=memory)
                 if fitting is None else _skipped(kwargs, ckpt, batch, fitting)
             )
             if bound is not None and (entry.reason or "").startswith(_AT_FLOOR):

@@ -54,7 +54,6 @@ CATEGORIES: dict[str, str] = {
 PHASES = ("forward", "backward", "step")
 
 
-
 class LimitPassed(BaseException):
     """The live bytes passed the ledger's ``stop_above`` in a step phase ([Note: stopped
     simulation] in `zerolite.memory.predict`). A `BaseException`, so that no ``except

@@ -85,7 +85,7 @@ def predict_peak(
         rank: which rank to simulate (pieces, padding and the root unit differ a little).
         device: ``"cpu"`` (gloo's point-to-point exchanges) or ``"cuda"`` (NCCL's).
         every_micro_step: simulate all ``accumulation`` micro-steps of both optimizer
-            steps; by default the first step runs one and the second at most three, the
+            steps; by default the first step runs one and the second at most two, the
             rest counted ([Note: micro-steps simulated]: the same prediction, faster).
         stop_above: bytes: stop the simulation as soon as the rank holds more than this
             during a step ([Note: stopped simulation]); None: simulate both steps.

@@ -66,8 +66,8 @@ def find_units(
     reached: dict[int, set[str]] = {}
     for module_name, module in model.named_modules(remove_duplicate=False):
         unit_name = _innermost(module_name, unit_names)
-        for p in module._parameters.values():
-            if p is not None and id(p) in managed:
+        for p in module.parameters(recurse=False):
+            if id(p) in managed:
                 reached.setdefault(id(p), set()).add(unit_name)
     # A parameter shared by several units (tied weights) goes to the root, which stays
     # gathered from the start of forward to the end of backward, so every user sees it.
