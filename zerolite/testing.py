@@ -118,6 +118,13 @@ def _rank_main(job: bytes, rank: int, world_size: int, store_path: str, timeout:
             options["device_id"] = device
         dist.init_process_group(store=store, rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=timeout), **options)
+        # Every peer has connected before any runs fn: one that fails at once and exits
+        # (below) would break a peer still connecting ("connectFullMesh failed ...
+        # Connection closed by peer") and hide the failure behind that one. On the store:
+        # a group may have no backend for a barrier here (e.g. "cuda:gloo" on a CPU).
+        if store.add("zerolite.testing/connected", 1) == world_size:
+            store.set("zerolite.testing/all connected", "1")
+        store.wait(["zerolite.testing/all connected"], timedelta(seconds=timeout))
         message: tuple[str, Any] = ("ok", pickle.dumps(fn(*args), pickle.HIGHEST_PROTOCOL))
     except BaseException:  # noqa: BLE001 - SystemExit/KeyboardInterrupt in fn fail it too
         message = ("err", traceback.format_exc())
@@ -194,7 +201,8 @@ def run_ranks(fn: Callable[..., _T], world_size: int, *args: Any, timeout: float
 
     Each rank runs in its own process, inside an initialised default process group (rank ``r``
     of ``world_size``), with ``torch.set_num_threads(1)`` and ``RANK``, ``WORLD_SIZE``,
-    ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE`` set. The group is destroyed after ``fn`` returns.
+    ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE`` set; ``fn`` starts once every rank has joined
+    the group. The group is destroyed after ``fn`` returns.
     With a CUDA backend (NCCL), rank ``r`` runs on ``cuda:r``: it is the rank's current
     device and the group's bound device (``init_process_group(device_id=...)``).
 

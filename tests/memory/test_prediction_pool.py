@@ -5,6 +5,8 @@ request made in the searching process. Real forked processes, real predictions."
 from __future__ import annotations
 
 import os
+import time
+import types
 
 import pytest
 import torch
@@ -95,3 +97,42 @@ def test_a_fitting_micro_batch_1_brings_the_larger_ones_ahead():
         ({"stage": 1}, m, 8 // m, False, fits.peak) for m in (8, 4, 2)]
     assert larger_after_fit(request[:-1] + (fits.peak - 1,), stopped) == []
     assert larger_after_fit(({"stage": 1}, 2, 4, False, None), fits) == []
+
+
+def test_the_search_s_request_goes_first_and_follow_ups_keep_their_place(tmp_path):
+    """[Note: predictions ahead]'s order, seen from the order one worker starts requests
+    (the other is held on B until the end): a request the search waits for goes before
+    a queued one's follow-ups; the worker that answers it takes nothing more until the
+    search asks again; then what the search asked and its follow-ups come first, then
+    the rest in the search's order."""
+    started, release = tmp_path / "started", tmp_path / "release"
+
+    def predict(kw, micro, accumulation, ckpt, stop_above):
+        with open(started, "a") as log:
+            log.write(f"{kw['name']}{micro}\n")
+        while kw["name"] == "B" and not release.exists():
+            time.sleep(0.01)
+        return types.SimpleNamespace(complete=True)
+
+    def follow(request, answer):  # micro-batch 1 of A and C brings larger ones
+        kw, micro = request[:2]
+        return [(kw, m, 1, False, None) for m in (2, 4)] if micro == 1 and kw["name"] in "AC" \
+            else []
+
+    def request(name, micro=1):
+        return ({"name": name}, micro, 1, False, None)
+
+    def order():
+        return [line for line in started.read_text().split() if line != "B1"]
+
+    with prediction_pool(predict, 2, follow) as pool:
+        pool.ahead([request(n) for n in "ABCD"])  # A on the first worker, B held
+        pool(*request("C"))
+        assert order() == ["A1", "C1"]  # not A's follow-ups, answered meanwhile
+        pool(*request("D"))
+        assert order() == ["A1", "C1", "D1"]  # not C's follow-ups, queued first
+        for name, micro in [("C", 2), ("C", 4), ("A", 2), ("A", 4)]:
+            pool.ahead([])
+            pool(*request(name, micro))
+        assert order() == ["A1", "C1", "D1", "C2", "C4", "A2", "A4"]
+        release.touch()

@@ -12,7 +12,7 @@ import dataclasses
 
 import pytest
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 import zerolite
 from tests.support.peak_cases import MODELS
@@ -50,3 +50,20 @@ def test_shortcuts_predict_what_the_plain_fake_mode_does(name, config, kwargs, t
     fast = _predict(name, config, kwargs, True, tmp_path, monkeypatch)
     assert fast == plain
     assert plain.peak > 0 and plain.by_phase.keys() == {"forward", "backward", "step"}
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda:0"])
+def test_a_cache_hit_s_tensor_is_the_one_torch_s_constructor_makes(device):
+    """`_FakeFields.made` against ``FakeTensor(mode, elem, device)``, the same run: the
+    same Python fields (its mode among them), dispatch keys, device and flags (a CUDA
+    device is faked)."""
+    mode = fake_step._LedgerMode(fake_step.StorageLedger("cpu"))
+    assert mode._fields is not None  # else every prediction takes torch's constructor
+    for requires_grad in (False, True):
+        elem = torch.empty(3, 4, device="meta", requires_grad=requires_grad)
+        made = mode._fields.made(elem, torch.device(device))
+        torch_s = FakeTensor(mode, elem, torch.device(device))
+        assert type(made) is FakeTensor and made.__dict__ == torch_s.__dict__
+        assert torch._C._dispatch_keys(made) == torch._C._dispatch_keys(torch_s)
+        assert (made.device, made.requires_grad, made.shape) == (
+            torch_s.device, torch_s.requires_grad, torch_s.shape)

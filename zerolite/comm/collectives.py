@@ -67,6 +67,7 @@ __all__ = [
     "all_gather_flat",
     "sum_in_rank_order",
     "chunk_of",
+    "chunks_of",
     "tag_of",
     "wait_for",
 ]
@@ -133,6 +134,14 @@ def wait_for(work: dist.Work, group: Group | None, what: str) -> None:
 def chunk_of(full: torch.Tensor, index: int, size: int) -> torch.Tensor:
     """Chunk ``index`` of ``full``, whose chunks have ``size`` elements each (a view)."""
     return full.narrow(0, index * size, size)
+
+
+def chunks_of(full: torch.Tensor, n: int) -> Sequence[torch.Tensor]:
+    """``full`` (1-D, a multiple of ``n`` elements) as its ``n`` equal chunks, views, in
+    one operation: an exchange with every peer takes each chunk's view once (under
+    `zerolite.memory.predict_peak` each view is a dispatch)."""
+    size = full.numel() // n
+    return full.split(size) if size else [full] * n
 
 
 def accumulate_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -205,18 +214,17 @@ def reduce_scatter_avg(
                 out, full, op=dist.ReduceOp.AVG, group=group.pg, async_op=True
             )
             return Pending([work], group=group, what=what)
-        received = torch.empty((n - 1, shard), dtype=full.dtype, device=full.device)
+        sent = chunks_of(full, n)
+        received = chunks_of(
+            torch.empty((n - 1) * shard, dtype=full.dtype, device=full.device), n - 1)
         works = []
         for k in range(1, n):
             dst, src = (group.rank + k) % n, (group.rank - k) % n
-            works.append(
-                dist.isend(chunk_of(full, dst, shard), group.global_rank(dst), group.pg, tag)
-            )
+            works.append(dist.isend(sent[dst], group.global_rank(dst), group.pg, tag))
             works.append(dist.irecv(received[k - 1], group.global_rank(src), group.pg, tag))
 
     def finish() -> None:
-        mine = chunk_of(full, group.rank, shard)
-        contributions = [mine if src == group.rank else received[(group.rank - src) % n - 1]
+        contributions = [sent[src] if src == group.rank else received[(group.rank - src) % n - 1]
                          for src in range(n)]
         sum_in_rank_order(contributions, out, n)
 
@@ -252,15 +260,12 @@ def all_gather_inplace(full: torch.Tensor, group: Group, *, key: int, what: str)
                 group=group,
                 what=what,
             )
+        chunks = chunks_of(full, n)
         works = []
         for k in range(1, n):
             dst, src = (group.rank + k) % n, (group.rank - k) % n
-            works.append(
-                dist.isend(chunk_of(full, group.rank, shard), group.global_rank(dst), group.pg, tag)
-            )
-            works.append(
-                dist.irecv(chunk_of(full, src, shard), group.global_rank(src), group.pg, tag)
-            )
+            works.append(dist.isend(chunks[group.rank], group.global_rank(dst), group.pg, tag))
+            works.append(dist.irecv(chunks[src], group.global_rank(src), group.pg, tag))
     return Pending(works, group=group, what=what)
 
 

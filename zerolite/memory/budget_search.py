@@ -18,10 +18,9 @@ __all__ = ["Candidate", "SKIPPED", "larger_after_fit", "pruned", "search"]
 # (ZeroConfig keyword arguments, micro-batch, accumulation, checkpointing, stop_above) ->
 # prediction (`predict_peak`'s ``stop_above``: None for a whole one)
 Predict = Callable[[dict[str, Any], int, int, bool, int | None], PeakPrediction]
-# Requests (`Predict`'s arguments) `plan` will probably make, and whether they come
-# before those already queued ([Note: predictions ahead] in
-# `zerolite.memory.prediction_pool`).
-Ahead = Callable[[list[tuple], bool], None]
+# Requests (`Predict`'s arguments) `plan` will probably make, in the order it would
+# make them ([Note: predictions ahead] in `zerolite.memory.prediction_pool`).
+Ahead = Callable[[list[tuple]], None]
 SKIPPED = "skipped"
 _AT_FLOOR = "needs at least"
 Candidate = tuple[dict[str, Any], bool]  # ZeroConfig keyword arguments, checkpointing
@@ -139,7 +138,7 @@ def _entry(kwargs: dict[str, Any], p: PeakPrediction, fits: bool, reason: str | 
 
 def pruned(
     memory: int, batch: int, candidates: list[Candidate], bounds: list[StateBound | None],
-    predict: Predict, ahead: Ahead = lambda requests, first: None,
+    predict: Predict, ahead: Ahead = lambda requests: None,
 ) -> list[PlanEntry]:
     """[Note: pruned search]: the entries of ``candidates``, in their order. Each traced
     one's micro-batch 1 is asked for ``ahead`` at once."""
@@ -162,7 +161,7 @@ def pruned(
     floors = _ActivationFloors(predict)
     fitting: PlanEntry | None = None
     order = sorted(traced, key=group)
-    ahead([(candidates[i][0], 1, batch, candidates[i][1], memory) for i in order], False)
+    ahead([(candidates[i][0], 1, batch, candidates[i][1], memory) for i in order])
     for _, members in itertools.groupby(order, key=group):
         for i in members:
             kwargs, ckpt = candidates[i]

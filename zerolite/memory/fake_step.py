@@ -34,8 +34,8 @@ import torch
 from torch._subclasses.fake_tensor import (
     DataDependentOutputException,
     FakeTensor,
+    FakeTensorConfig,
     FakeTensorMode,
-    in_kernel_invocation_manager,
 )
 from torch.utils._python_dispatch import _disable_current_modes
 
@@ -118,7 +118,11 @@ class _LedgerMode(FakeTensorMode):
     - the dispatch cache's key of a plain fake tensor is one tuple of what torch's key
       holds (`_fake_key`), built directly instead of through its metadata record: a key
       as fine as torch's or finer, so a cached output is the one the op would make; and
-      a cache hit's output is made as torch makes it, in one step (`_output_tensor`).
+      a cache hit's output is made as torch makes it, in one step (`_output_tensor`):
+      its meta tensor with only torch dispatch off (torch enters its kernel-invocation
+      state, which only ops on fake tensors read), its Python fields copied from one
+      fake tensor torch's constructor made (`_FakeFields`: that constructor checks its
+      arguments and sets twenty fields one by one, a seventh of a prediction's time).
 
     Only `SHORTCUTS` at construction turns them on (the guard is off either way).
     """
@@ -127,6 +131,7 @@ class _LedgerMode(FakeTensorMode):
         super().__init__(allow_non_fake_inputs=True)
         self.ledger = ledger
         self._shortcuts = SHORTCUTS
+        self._fields = _FakeFields.of(self) if SHORTCUTS else None
         self._lock = threading.RLock()
         self._local = threading.local()
 
@@ -225,14 +230,65 @@ def _output_tensor(self: _LedgerMode, state: Any, entry: Any, key: Any, func: An
             or not all(type(n) is int for n in (*meta.shape, *meta.stride))):
         return FakeTensorMode._get_output_tensor_from_cache_entry(self, state, entry, key,
                                                                   func, args)
-    with in_kernel_invocation_manager(self):
+    # Only plain meta tensors are made here (no fake tensor goes in), so no mode may see
+    # them, and the fake mode's kernel-invocation state (what a fake tensor's ops read)
+    # is not needed.
+    with torch._C._DisableTorchDispatch():
         empty = torch.empty_strided(meta.shape, meta.stride, dtype=meta.dtype, device="meta",
                                     requires_grad=meta.requires_grad)
         if isinstance(func, torch._ops.OpOverload) and func.is_view:
             # a view shares its argument's storage
             empty.set_(args[entry.view_idx].untyped_storage(), meta.storage_offset,
                        meta.shape, meta.stride)
+    if self._fields is not None and (meta.device.type == "cpu" or meta.device.index is not None):
+        return self._fields.made(empty, meta.device)
     return FakeTensor(self, empty, meta.device)
+
+
+class _FakeFields:
+    """A new fake tensor of one mode, made as torch's ``FakeTensor(mode, elem, device)``
+    makes it for a device it need not normalise (the CPU, or one with an index): the
+    subclass over ``elem``, the mutable-data-pointer guard, then the Python fields --
+    the same for every tensor of the mode but the device -- copied at once from a fake
+    tensor torch made (`of`)."""
+
+    def __init__(self, fields: dict[str, Any], device_field: str, guard: Any) -> None:
+        self._fields = fields
+        self._device_field = device_field
+        self._guard = guard
+
+    @classmethod
+    def of(cls, mode: FakeTensorMode) -> _FakeFields | None:
+        """The fields of ``mode``'s fake tensors, from one torch makes; None (make each
+        with torch's constructor) where they are not plain per-mode values and one
+        device field, or torch's debug mode records a traceback per tensor."""
+        guard = getattr(torch._C, "_set_warn_deprecated_on_mutable_data_ptr"
+                        if mode._allow_unsafe_data_ptr_access
+                        else "_set_throw_on_mutable_data_ptr", None)
+        if guard is None or FakeTensorConfig.debug:
+            return None
+        cpu = torch.device("cpu")
+        try:
+            made = FakeTensor(mode, torch.empty(0, device="meta"), cpu)
+        except Exception:  # noqa: BLE001 - another constructor: keep torch's
+            return None
+        fields = dict(made.__dict__)
+        devices = [k for k, v in fields.items() if isinstance(v, torch.device)]
+        if len(devices) != 1 or fields[devices[0]] != cpu or made.fake_device != cpu or any(
+                v is not None and v is not mode for k, v in fields.items() if k not in devices):
+            return None
+        return cls(fields, devices[0], guard)
+
+    def made(self, elem: torch.Tensor, device: torch.device) -> FakeTensor:
+        """A fake tensor over the meta tensor ``elem``, on ``device``."""
+        out = torch.Tensor._make_subclass(FakeTensor, elem, elem.requires_grad,
+                                          dispatch_device=True,
+                                          device_for_backend_keys=device)
+        self._guard(out)
+        fields = out.__dict__
+        fields.update(self._fields)
+        fields[self._device_field] = device
+        return out
 
 
 # torch's key builder takes (result, args, state, id_hashed_objects) on the torch zerolite is

@@ -11,6 +11,16 @@ function of its arguments alone), so the plan is the same at any number of worke
 predictions the search never asks for are wasted work, which costs time only where no
 core was idle.
 
+Which request a free worker takes matters as much as how many there are: the search is
+sequential, so a prediction it waits for while a worker runs one it may never ask for
+is the plan's time lost. So the queue keeps the search's order -- a request's follow-ups
+(a combination's larger micro-batches) take its place, ahead of every later
+combination's -- what the search asks for goes first, and the worker that answers the
+request the search waits for stays free until the search has asked its next one. (On
+the 7B Llama of `benchmarks/plan_time.py` with 2 workers, a micro-batch the search
+needed had waited 3.7 s behind another combination's, queued first when a worker
+answered: the search took 20.1 s, and 17.2 s in this order.)
+
 The workers are forked, so the model and batch functions need not be picklable, and
 they share what the parent had built; each keeps its own fake-tensor cache. A worker
 that dies has its request made again in this process.
@@ -19,6 +29,8 @@ that dies has its request made again in this process.
 from __future__ import annotations
 
 import contextlib
+import gc
+import itertools
 import multiprocessing
 import os
 import pickle
@@ -48,16 +60,21 @@ class PredictionPool:
     ([Note: predictions ahead]); with fewer than 2, or where processes cannot be forked
     (Windows), by this process when asked.
 
-    Call it as ``predict``; `ahead` queues requests it will probably ask; ``follow(request,
-    prediction)`` names more once a worker answers (queued first); `close` ends the
-    workers (what they are doing is thrown away)."""
+    Call it as ``predict``; `ahead` queues requests it will probably ask, in the order
+    it will ask them; ``follow(request, prediction)`` names more once a worker answers
+    (queued in that request's place); `close` ends the workers (what they are doing is
+    thrown away)."""
 
     def __init__(self, predict: Predict, workers: int,
                  follow: Callable[[tuple, PeakPrediction], list[tuple]] | None = None) -> None:
         self._predict = predict
         self._follow = follow
         self._done: dict[_Key, tuple[bool, Any]] = {}
-        self._queue: list[_Key] = []
+        self._queue: list[_Key] = []  # in `_place` order
+        # (the search's order, then arrival); -1: what the search asked for
+        self._place: dict[_Key, tuple[int, int]] = {}
+        self._orders = itertools.count()
+        self._arrivals = itertools.count()
         self._busy: dict[Connection, _Key] = {}
         self._workers: dict[Connection, multiprocessing.process.BaseProcess] = {}
         if workers < 2 or not _CAN_FORK:
@@ -70,29 +87,26 @@ class PredictionPool:
             theirs.close()
             self._workers[mine] = process
 
-    def ahead(self, requests: Iterable[tuple], first: bool = False) -> None:
-        """Queue ``requests`` (``predict``'s arguments), before the queued ones when
-        ``first``; those known or under way are left out."""
-        if not self._workers:
-            return
-        known = {*self._done, *self._busy.values()}
-        new = [k for k in (_key(*r) for r in requests) if k not in known]
-        rest = [k for k in self._queue if k not in new]
-        self._queue = new + rest if first else rest + new
-        self._dispatch()
+    def ahead(self, requests: Iterable[tuple]) -> None:
+        """Queue ``requests`` (``predict``'s arguments), after those queued already; those
+        known or under way are left out."""
+        if self._workers:
+            self._enqueue(requests, None)
+            self._dispatch()
 
     def __call__(self, kwargs: dict[str, Any], micro: int, accumulation: int, ckpt: bool,
                  stop_above: int | None) -> PeakPrediction:
         key = _key(kwargs, micro, accumulation, ckpt, stop_above)
         whole = key[:-1] + (None,)  # a whole prediction answers a stopped request too
+        if self._workers and not {key, whole} & {*self._done, *self._busy.values()}:
+            self._queue = [key, *(k for k in self._queue if k != key)]  # first of all
+            self._place[key] = (-1, next(self._arrivals))
+        self._dispatch()  # workers left free for this request ([Note: predictions ahead])
         while key not in self._done and whole not in self._done:
             if not self._workers:
                 self._done[key] = _attempt(self._predict, key)
                 break
-            if key not in self._busy.values():
-                self._queue = [key, *(k for k in self._queue if k != key)]
-                self._dispatch()
-            self._receive()
+            self._receive(key)
         ok, value = self._done.get(key) or self._done[whole]
         if not ok:
             raise value
@@ -107,6 +121,17 @@ class PredictionPool:
         self._workers.clear()
         self._busy.clear()
 
+    def _enqueue(self, requests: Iterable[tuple], after: _Key | None) -> None:
+        """Queue ``requests`` in the search's order: at the end (``after`` None), or as
+        ``after``'s follow-ups, in its place, after those already there."""
+        known = {*self._done, *self._busy.values(), *self._queue}
+        for key in dict.fromkeys(_key(*r) for r in requests):
+            if key not in known:
+                order = next(self._orders) if after is None else self._place[after][0]
+                self._place[key] = (order, next(self._arrivals))
+                self._queue.append(key)
+        self._queue.sort(key=self._place.__getitem__)
+
     def _dispatch(self) -> None:
         for conn in self._workers:
             if conn not in self._busy and self._queue:
@@ -114,9 +139,11 @@ class PredictionPool:
                 conn.send(key)
                 self._busy[conn] = key
 
-    def _receive(self) -> None:
+    def _receive(self, awaited: _Key) -> None:
         """Wait for a worker's answer and store it; a worker that died is dropped and its
-        request queued first again (made here once no worker is left)."""
+        request queued first again (made here once no worker is left). Workers are given
+        more only if the answer is not ``awaited``: the search asks its next request
+        first."""
         for conn in wait(list(self._busy)):
             key = self._busy.pop(conn)  # type: ignore[arg-type]
             try:
@@ -130,8 +157,9 @@ class PredictionPool:
                 self._done[key[:-1] + (None,)] = (ok, value)
             if ok and self._follow is not None:
                 kwargs, *rest = key
-                self.ahead(self._follow((dict(kwargs), *rest), value), True)
-        self._dispatch()
+                self._enqueue(self._follow((dict(kwargs), *rest), value), key)
+        if awaited not in self._done and awaited[:-1] + (None,) not in self._done:
+            self._dispatch()
 
 
 def _attempt(predict: Predict, key: _Key) -> tuple[bool, Any]:
@@ -149,6 +177,11 @@ def _serve(predict: Predict, conn: Connection) -> None:
     a parallel region would wait for it forever; the workers are the parallelism."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_num_threads(1)
+    # What the parent built is never garbage here: the collector skips it (and leaves
+    # its pages shared). A prediction makes some 100,000 objects in reference cycles,
+    # so collections run 30 times less often than by default.
+    gc.freeze()
+    gc.set_threshold(20_000, 10, 10)
     while True:
         key = conn.recv()
         ok, value = _attempt(predict, key)

@@ -102,6 +102,10 @@ class FlatParamBuffer:
             self.tiered = self._params_tier.add(
                 self.shard, f"the parameter shard of flat buffer {self.index}"
             )
+        # Each parameter's view of `data`, made once: `unshard` rebinds them to the same
+        # storage, which reshard only resizes, so a view made now stays valid (one
+        # assignment per parameter per gather instead of a slice and a view).
+        self._views = [self.param_view(self.data, i) for i in range(len(self.params))]
         self._nan = torch.full((1,), float("nan"), dtype=self.data.dtype, device=self.data.device)
         # Expanded from a 0-dim view, so that a 0-dim parameter gets a placeholder too.
         self._placeholders = [self._nan[0].expand(shape) for shape in self.shapes]
@@ -135,8 +139,8 @@ class FlatParamBuffer:
         self.data[lo:hi].copy_(self.shard)
         if self.tiered is not None:
             self.tiered.park()
-        for i, p in enumerate(self.params):
-            p.data = self.param_view(self.data, i)
+        for p, view in zip(self.params, self._views):
+            p.data = view
         return self.all_gather(what)
 
     def read_ahead(self) -> None:
