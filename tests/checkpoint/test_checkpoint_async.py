@@ -25,6 +25,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -47,9 +48,10 @@ from tests.checkpoint.test_checkpoint import (
 from tests.support import parity
 from zerolite import checkpoint as ckpt
 from zerolite.checkpoint import CheckpointError, PendingSave
-from zerolite.checkpoint.commit import FAULT_ENV, HOLD_ENV, LOCK_FILE, MARKER
+from zerolite.checkpoint.commit import FAULT_ENV, HOLD_ENV, LOCK_FILE, MARKER, remove_leftovers
 from zerolite.checkpoint.format import rank_file_name
 from zerolite.checkpoint.pending_save import in_flight
+from zerolite.checkpoint.run_folders import accelerate_staging
 from zerolite.checkpoint.staging import staging_area
 from zerolite.testing import RankFailure, run_ranks
 
@@ -416,6 +418,20 @@ def _trainer_async(root: str) -> dict:
     except ValueError as exc:
         result["refused"] = str(exc)
     return result
+
+
+def test_a_commit_s_cleanup_leaves_a_rank_s_accelerate_staging_alone(tmp_path):
+    """Rank 0's asynchronous save commits into the ``save_state`` folder and removes a
+    checkpoint's temporaries there while other ranks still stage Accelerate's files in
+    it (seen once: rank 1's `move_into` found its staging folder gone)."""
+    staging = accelerate_staging(tmp_path, 1)
+    staging.mkdir()
+    (staging / "random_states_1.pkl").write_bytes(b"rng")
+    failed = tmp_path / f".zerolite_0.tmp-{uuid.uuid4().hex}"  # a failed save's: removed
+    failed.mkdir()
+    remove_leftovers(tmp_path)
+    assert not failed.exists()
+    assert (staging / "random_states_1.pkl").read_bytes() == b"rng"
 
 
 def test_accelerate_save_state_async(tmp_path):

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from zerolite.checkpoint.commit import fsync_dir, write_atomic
 
-__all__ = ["RUN_FILE", "RunFolders", "move_into"]
+__all__ = ["RUN_FILE", "RunFolders", "accelerate_staging", "move_into"]
 
 RUN_FILE = "zerolite_run.json"
 """The marker rank 0 writes into every ``save_state`` folder: ``{"run": <hex id>}``."""
@@ -59,6 +59,14 @@ class RunFolders:
         found = self.owner(folder)
         if found is not None:
             self.run = found
+
+
+def accelerate_staging(target: Path, rank: int) -> Path:
+    """A new hidden folder in ``target`` where rank ``rank`` stages Accelerate's own files
+    before `move_into` ``target``. Its name is unlike a checkpoint's temporaries: rank 0's
+    asynchronous save commits into ``target`` while the other ranks stage, and then
+    removes those (`zerolite.checkpoint.commit.remove_leftovers`)."""
+    return target / f".accelerate-{rank}-staging-{uuid.uuid4().hex}"
 
 
 def move_into(staging: Path, target: Path) -> None:

@@ -29,7 +29,6 @@ import inspect
 import os
 import re
 import shutil
-import uuid
 import weakref
 from pathlib import Path
 from typing import Any
@@ -45,7 +44,7 @@ from torch import nn
 
 import zerolite.checkpoint
 from zerolite.checkpoint.pending_save import finish_in_flight_everywhere
-from zerolite.checkpoint.run_folders import RunFolders, move_into
+from zerolite.checkpoint.run_folders import RunFolders, accelerate_staging, move_into
 from zerolite.comm.consensus import agreed
 from zerolite.gathered import iter_full_state_dict
 from zerolite.ground.config_env import ALLOWED_DTYPES
@@ -286,7 +285,7 @@ class StateFolderMethods:
         """Accelerate's own files (dataloaders, RNG, registered objects), written into a
         hidden folder of this rank and renamed into ``target`` one by one."""
         each_node = self.project_configuration.save_on_each_node
-        staging = target / f".accelerate-{self.process_index}.tmp-{uuid.uuid4().hex}"
+        staging = accelerate_staging(target, self.process_index)
         staging.mkdir()
         save_accelerator_state(str(staging), [], [], [], self._dataloaders,
                                self.state.process_index, self.step, None,
