@@ -97,17 +97,17 @@ class PredictionPool:
     def __call__(self, kwargs: dict[str, Any], micro: int, accumulation: int, ckpt: bool,
                  stop_above: int | None) -> PeakPrediction:
         key = _key(kwargs, micro, accumulation, ckpt, stop_above)
-        whole = key[:-1] + (None,)  # a whole prediction answers a stopped request too
-        if self._workers and not {key, whole} & {*self._done, *self._busy.values()}:
+        if self._workers and self._answer(key) is None and not {
+                key, _whole(key)} & {*self._busy.values()}:
             self._queue = [key, *(k for k in self._queue if k != key)]  # first of all
             self._place[key] = (-1, next(self._arrivals))
         self._dispatch()  # workers left free for this request ([Note: predictions ahead])
-        while key not in self._done and whole not in self._done:
+        while (answer := self._answer(key)) is None:
             if not self._workers:
                 self._done[key] = _attempt(self._predict, key)
-                break
-            self._receive(key)
-        ok, value = self._done.get(key) or self._done[whole]
+            else:
+                self._receive(key)
+        ok, value = answer
         if not ok:
             raise value
         return value
@@ -154,12 +154,22 @@ class PredictionPool:
                 continue
             self._done[key] = (ok, value)
             if ok and value.complete:
-                self._done[key[:-1] + (None,)] = (ok, value)
+                self._done[_whole(key)] = (ok, value)
             if ok and self._follow is not None:
                 kwargs, *rest = key
                 self._enqueue(self._follow((dict(kwargs), *rest), value), key)
-        if awaited not in self._done and awaited[:-1] + (None,) not in self._done:
+        if self._answer(awaited) is None:
             self._dispatch()
+
+    def _answer(self, key: _Key) -> tuple[bool, Any] | None:
+        """``key``'s answer, or a whole prediction's of the same request (it answers a
+        stopped one too); None while there is neither."""
+        return self._done.get(key) or self._done.get(_whole(key))
+
+
+def _whole(key: _Key) -> _Key:
+    """The request for the same prediction made whole (no ``stop_above``)."""
+    return key[:-1] + (None,)
 
 
 def _attempt(predict: Predict, key: _Key) -> tuple[bool, Any]:

@@ -71,6 +71,9 @@ class FlatParamBuffer:
         # True while every rank holds the full buffer between steps (stages 1-2).
         self.replicated = True
         self._full_bytes = self.data.untyped_storage().nbytes()
+        # Each parameter's view of `data`, made once: `bind` and every stage-3 `unshard`
+        # bind the parameters to them (`reshard` only resizes the storage they view).
+        self._views = [self.param_view(self.data, i) for i in range(len(params))]
         # Stage 3 with offload_params: `shard`'s home on the tier (parked between uses).
         self._params_tier = params_tier
         self.tiered: TieredTensor | None = None
@@ -78,8 +81,7 @@ class FlatParamBuffer:
     def bind(self) -> None:
         """Copy each parameter's values into the buffer and make ``param.data`` a view of it."""
         with torch.no_grad():
-            for i, p in enumerate(self.params):
-                view = self.param_view(self.data, i)
+            for p, view in zip(self.params, self._views):
                 view.copy_(p.data)
                 p.data = view
 
@@ -102,10 +104,6 @@ class FlatParamBuffer:
             self.tiered = self._params_tier.add(
                 self.shard, f"the parameter shard of flat buffer {self.index}"
             )
-        # Each parameter's view of `data`, made once: `unshard` rebinds them to the same
-        # storage, which reshard only resizes, so a view made now stays valid (one
-        # assignment per parameter per gather instead of a slice and a view).
-        self._views = [self.param_view(self.data, i) for i in range(len(self.params))]
         self._nan = torch.full((1,), float("nan"), dtype=self.data.dtype, device=self.data.device)
         # Expanded from a 0-dim view, so that a 0-dim parameter gets a placeholder too.
         self._placeholders = [self._nan[0].expand(shape) for shape in self.shapes]
